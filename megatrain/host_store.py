@@ -1,0 +1,119 @@
+"""Host store: the home of the model. Per group (embedding, each decoder layer, final norm + head) one
+contiguous fp32 master buffer, fp32 AdamW ``m`` and ``v``, and a gradient buffer.
+
+Parameters are views into the flat buffers, so a layer moves to the GPU as ONE bulk copy and the
+optimizer runs ONE fused AdamW call per layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .arch import EMBED_NAME, HEAD_NAME, LAYER_PREFIX, NORM_NAME, ParamSlot, flat_layout
+
+
+@dataclass
+class Group:
+    """A unit of streaming and of optimizer work."""
+
+    name: str  # "embed", "layer.{i}", "final"
+    kind: str  # "embed" | "layer" | "final"
+    index: int  # layer index, -1 otherwise
+    slots: list[ParamSlot]  # local parameter names and offsets in the flat buffer
+    hf_names: list[str]  # full HF state-dict names, aligned with ``slots``
+    numel: int  # flat size including alignment padding
+
+    @property
+    def num_params(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+
+def make_groups(meta_model) -> list[Group]:
+    """Groups in the order the forward pass needs them: embed, layer 0..L-1, final."""
+    groups = []
+    embed = meta_model.model.embed_tokens.weight
+    slots, n = flat_layout([("weight", embed.shape)])
+    groups.append(Group("embed", "embed", -1, slots, [EMBED_NAME], n))
+    for i, layer in enumerate(meta_model.model.layers):
+        named = [(name, p.shape) for name, p in layer.named_parameters()]
+        if any(True for _ in layer.buffers()):
+            raise NotImplementedError("decoder layers with buffers are not supported by the streaming engine")
+        slots, n = flat_layout(named)
+        groups.append(Group(f"layer.{i}", "layer", i, slots, [LAYER_PREFIX.format(i) + s for s, _ in named], n))
+    final = [("norm.weight", meta_model.model.norm.weight.shape)]
+    names = [NORM_NAME]
+    if not meta_model.config.tie_word_embeddings:
+        final.append(("lm_head.weight", meta_model.lm_head.weight.shape))
+        names.append(HEAD_NAME)
+    slots, n = flat_layout(final)
+    groups.append(Group("final", "final", -1, slots, names, n))
+    return groups
+
+
+def views(flat: torch.Tensor, group: Group) -> list[torch.Tensor]:
+    """Per-parameter views (shaped) into a group's flat buffer."""
+    return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in group.slots]
+
+
+class HostStore:
+    """fp32 master + AdamW m, v + gradient per group, optionally a pinned bf16 shadow of the master.
+
+    The master (or the shadow, when streaming bf16) is page-locked with ``cudaHostRegister`` so H2D
+    copies are true DMA (55 GB/s measured vs 18 pageable). We register plain allocations instead of
+    ``pin_memory=True`` because torch's pinned caching allocator rounds each block up to a power of two
+    (up to 2x host memory on big layers).
+    """
+
+    def __init__(self, groups: list[Group], grad_dtypes: dict[str, torch.dtype], shadow_dtype: torch.dtype | None,
+                 pin: bool):
+        self.groups = groups
+        self.by_name = {g.name: g for g in groups}
+        self.master = {g.name: torch.zeros(g.numel, dtype=torch.float32) for g in groups}
+        self.m = {g.name: torch.zeros(g.numel, dtype=torch.float32) for g in groups}
+        self.v = {g.name: torch.zeros(g.numel, dtype=torch.float32) for g in groups}
+        self.grad = {g.name: torch.zeros(g.numel, dtype=grad_dtypes[g.name]) for g in groups}
+        self.shadow = ({g.name: torch.zeros(g.numel, dtype=shadow_dtype) for g in groups}
+                       if shadow_dtype is not None else None)
+        # One optimizer step counter per group (a tensor, as the fused kernel expects).
+        self.steps = {g.name: torch.zeros((), dtype=torch.float32) for g in groups}
+        self._registered: list[torch.Tensor] = []
+        if pin:
+            for buf in (self.shadow or self.master).values():
+                self._register(buf)
+
+    def _register(self, t: torch.Tensor) -> None:
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister failed ({err}) for {t.numel() * t.element_size() / 2**30:.2f} GiB")
+        self._registered.append(t)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._registered)
+
+    @property
+    def stream_source(self) -> dict[str, torch.Tensor]:
+        """The buffers the H2D stream reads."""
+        return self.shadow if self.shadow is not None else self.master
+
+    def refresh_shadow(self, name: str) -> None:
+        if self.shadow is not None:
+            self.shadow[name].copy_(self.master[name])
+
+    def param_views(self, name: str) -> dict[str, torch.Tensor]:
+        """HF name -> fp32 master view."""
+        g = self.by_name[name]
+        return dict(zip(g.hf_names, views(self.master[name], g)))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """All master weights as HF-named views (no copy)."""
+        out = {}
+        for g in self.groups:
+            out.update(self.param_views(g.name))
+        return out
+
+    def close(self) -> None:
+        for t in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        self._registered.clear()
