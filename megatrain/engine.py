@@ -112,6 +112,7 @@ class MegaTrain:
         self.final_norm._parameters["weight"] = nn.Parameter(views(self.resident["final"], self.groups[-1])[0])
         self.step_count = 0
         self._peak_rss = 0
+        self.stats: dict[str, float] = {}  # host-side timings of the last step (see _Timer)
 
     @classmethod
     def from_config(cls, hf_config, cfg: EngineConfig | None = None, **kw) -> "MegaTrain":
@@ -149,10 +150,18 @@ class MegaTrain:
         try:
             self.pool.begin_step(self._load_order())
             self.offloader.begin_step()
+            self._gpu_sqnorms: list[torch.Tensor] = []
+            timer = _Timer(self.stats, t0)
             hidden, boundaries, ctx = self._forward(mbs)
+            timer("forward_s")
             loss, d_hidden = self._loss(hidden, mbs, denom)
+            timer("loss_s")
             self._backward(mbs, boundaries, d_hidden, ctx)
+            timer("backward_s")
             sqnorms = self.offloader.wait()  # all gradients are on the host now
+            if self._gpu_sqnorms:  # one sync for all per-layer norms computed on the GPU
+                sqnorms["gpu"] = float(torch.stack(self._gpu_sqnorms).sum())
+            timer("grad_wait_s")
         except BaseException:
             self._recover()
             raise
@@ -162,6 +171,10 @@ class MegaTrain:
         self.optimizer.launch(self.step_count, coef, background=self.cfg.overlap_optimizer)
         self.step_count += 1
         loss_value = float(loss)  # a CPU-GPU sync point: the step's GPU work is done after this
+        timer("optimizer_launch_s")
+        self.stats.update(optimizer_prev_s=self.optimizer.last_update_s, h2d_loads=self.pool.loads,
+                          update_wait_s=self.optimizer.wait_s, slab_wait_s=self.offloader.slab_wait_s,
+                          worker_busy_s=self.offloader.busy_s, step_s=time.perf_counter() - t0)
         self._sample_rss()
         return StepResult(loss=loss_value, tokens=tokens, step_time_s=time.perf_counter() - t0, lr=lr,
                           grad_norm=grad_norm)
@@ -263,13 +276,21 @@ class MegaTrain:
         flat = torch.zeros(group.numel, device=self.device, dtype=self.dtype)
         fixed = [g if g is not None else torch.zeros_like(p) for p, g in zip(params, grads)]
         torch._foreach_copy_(views(flat, group), fixed)
-        self.offloader.offload(group.name, flat, accumulate=accumulate, last=last)
+        self._send(group.name, flat, accumulate, last)
 
     def _send_resident_grad(self, name: str, grads: list[torch.Tensor]) -> None:
         group = self.store.by_name[name]
         flat = torch.zeros(group.numel, device=self.device, dtype=torch.float32)
         torch._foreach_copy_(views(flat, group), grads)
-        self.offloader.offload(name, flat, accumulate=False, last=True)
+        self._send(name, flat, accumulate=False, last=True)
+
+    def _send(self, name: str, flat: torch.Tensor, accumulate: bool, last: bool) -> None:
+        # With one micro-batch the GPU gradient is final: its squared norm is computed on the GPU while
+        # the gradient is still there (no host pass). With accumulation the norm must be of the host sum.
+        on_gpu_norm = self.cfg.micro_batches == 1
+        if on_gpu_norm:
+            self._gpu_sqnorms.append(torch.linalg.vector_norm(flat, dtype=torch.float32).square())
+        self.offloader.offload(name, flat, accumulate=accumulate, last=last and not on_gpu_norm)
 
     # -- weights in ---------------------------------------------------------------------------------
     def _resident_weight(self, name: str) -> list[torch.Tensor]:
@@ -376,3 +397,17 @@ class MegaTrain:
     def __exit__(self, *exc):
         self.close()
 
+
+
+class _Timer:
+    """Host wall time between phases of a step. On CUDA these are launch times plus any blocking waits
+    (slot loads waiting for the optimizer, slab back-pressure), not GPU kernel times."""
+
+    def __init__(self, stats: dict, t0: float):
+        self.stats, self.last = stats, t0
+        stats.clear()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.stats[name] = now - self.last
+        self.last = now

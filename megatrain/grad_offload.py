@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import torch
 
@@ -38,6 +39,8 @@ class GradOffloader:
         self._lock = threading.Lock()
         self.sqnorms: dict[str, float] = {}
         self.bytes_d2h = 0
+        self.slab_wait_s = 0.0  # cumulative: main thread blocked waiting for a free slab
+        self.busy_s = 0.0  # cumulative: worker time spent accumulating (incl. waiting for copies)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._worker, name="megatrain-grad-worker", daemon=True)
         self._thread.start()
@@ -59,7 +62,9 @@ class GradOffloader:
             piece = flat[start:start + step]
             item = dict(group=group, start=start, accumulate=accumulate, last=last)
             if self.slabs:
+                t0 = time.perf_counter()
                 idx = self._free.get()  # back-pressure: wait for the worker to return a slab
+                self.slab_wait_s += time.perf_counter() - t0
                 slab = self.slabs[idx][:piece.numel() * piece.element_size()].view(piece.dtype)
                 grads_done = self.streams.record(self.streams.compute)
                 with self.streams.use(self.streams.d2h):
@@ -92,6 +97,7 @@ class GradOffloader:
             if item is None:
                 self._work.task_done()
                 return
+            t0 = time.perf_counter()
             try:
                 if item["copied"] is not None:
                     item["copied"].synchronize()  # the D2H copy into the slab has landed
@@ -108,6 +114,7 @@ class GradOffloader:
             except BaseException as exc:  # surfaced on the main thread at the next offload/wait
                 self._error = exc
             finally:
+                self.busy_s += time.perf_counter() - t0
                 if item["slab"] is not None:
                     self._free.put(item["slab"])
                 self._work.task_done()

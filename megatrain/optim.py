@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import torch
 
 from .host_store import HostStore
 from .system import OptimConfig
+
+CHUNK = 1 << 22  # elements per fused AdamW call (16 MiB of fp32)
 
 
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
@@ -33,6 +36,7 @@ class HostAdamW:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_update_s = 0.0
+        self.wait_s = 0.0  # cumulative time callers spent blocked in wait_group
 
     def launch(self, step: int, clip_coef: float, background: bool) -> None:
         """Update every group with the LR of 0-based ``step``; returns at once if ``background``."""
@@ -50,7 +54,10 @@ class HostAdamW:
 
     def wait_group(self, name: str) -> None:
         """Block until ``name``'s update of the last launched step is done."""
-        self._done[name].wait()
+        if not self._done[name].is_set():
+            t0 = time.perf_counter()
+            self._done[name].wait()
+            self.wait_s += time.perf_counter() - t0
         self._raise_if_failed()
 
     def wait_all(self) -> None:
@@ -65,8 +72,6 @@ class HostAdamW:
             raise RuntimeError("CPU optimizer failed") from err
 
     def _run(self, lr: float, clip_coef: float) -> None:
-        import time
-
         t0 = time.perf_counter()
         try:
             for name in self.order:
@@ -82,17 +87,20 @@ class HostAdamW:
 
     def _update(self, name: str, lr: float, clip_coef: float) -> None:
         st = self.store
-        grad = st.grad[name]
-        if grad.dtype != torch.float32:
-            grad = grad.float()
-        if clip_coef != 1.0:
-            grad.mul_(clip_coef)
         step = st.steps[name]
         step.add_(1)  # the fused kernel expects the already-incremented count (as torch.optim does)
         b1, b2 = self.cfg.betas
-        torch._fused_adamw_([st.master[name]], [grad], [st.m[name]], [st.v[name]], [], [step], lr=lr, beta1=b1,
-                            beta2=b2, weight_decay=self.cfg.weight_decay, eps=self.cfg.eps, amsgrad=False,
-                            maximize=False, grad_scale=None, found_inf=None)
+        # Clipping folded into the kernel: it divides the gradient by grad_scale (no extra pass).
+        scale = None if clip_coef == 1.0 else torch.tensor(1.0 / clip_coef, dtype=torch.float32)
+        p, g, m, v = st.master[name], st.grad[name], st.m[name], st.v[name]
+        # Chunks that stay in cache: a bf16 gradient is widened one chunk at a time, never as a whole.
+        for s in range(0, p.numel(), CHUNK):
+            gs = g[s:s + CHUNK]
+            if gs.dtype != torch.float32:
+                gs = gs.float()
+            torch._fused_adamw_([p[s:s + CHUNK]], [gs], [m[s:s + CHUNK]], [v[s:s + CHUNK]], [], [step], lr=lr,
+                                beta1=b1, beta2=b2, weight_decay=self.cfg.weight_decay, eps=self.cfg.eps,
+                                amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
 
 
 def global_norm(sqnorms: dict[str, float]) -> float:

@@ -42,12 +42,14 @@ VARIANTS = {
 
 
 def env_info() -> dict:
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    sha = os.environ.get("MEGATRAIN_GIT_SHA") or subprocess.run(
+        ["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
     import psutil
     import transformers
 
     info = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), git_sha=sha, torch=torch.__version__,
                 transformers=transformers.__version__, python=platform.python_version(),
+                torch_threads=torch.get_num_threads(), command=" ".join(sys.argv),
                 host_ram_gib=psutil.virtual_memory().total / 2**30, cpu_count=os.cpu_count())
     if torch.cuda.is_available():
         info.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda)
@@ -140,8 +142,9 @@ def measure_engine(spec, variant: str, args) -> dict:
     try:
         for s in range(args.warmup + args.steps):
             r = engine.step(synthetic_batch(spec.vocab_size, args.batch, args.seq, 0, s))
-            steps.append(r.to_dict())
-            print(f"  [{variant}] step {s} loss {r.loss:.4f} {r.step_time_s:.3f}s", flush=True)
+            steps.append(dict(r.to_dict(), stats=dict(engine.stats)))
+            phases = " ".join(f"{k}={v:.3f}" for k, v in engine.stats.items() if k.endswith("_s"))
+            print(f"  [{variant}] step {s} loss {r.loss:.4f} {r.step_time_s:.3f}s | {phases}", flush=True)
         engine.synchronize()
         mem = engine.memory()
         loads_per_step = engine.pool.loads / len(steps)
