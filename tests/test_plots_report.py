@@ -1,0 +1,165 @@
+"""Figures and report from the committed synthetic sample CSVs (no GPU, no torch)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from experiments import plots, report  # noqa: E402
+
+SAMPLE = ROOT / "experiments" / "data" / "sample_results"
+CLAIMS = yaml.safe_load((ROOT / "experiments" / "data" / "paper_claims.yaml").read_text())
+
+
+def _copy(sweeps, dst: Path) -> Path:
+    for s in sweeps:
+        (dst / s).mkdir(parents=True)
+        shutil.copy(SAMPLE / s / "results.csv", dst / s / "results.csv")
+    return dst
+
+
+def _report(results: Path, tmp_path: Path) -> str:
+    out = tmp_path / "REPORT.md"
+    rc = report.main(["--results", str(results), "--out", str(out), "--plots", str(tmp_path / "no_plots")])
+    assert rc == 0
+    return out.read_text()
+
+
+def test_sample_csvs_cover_every_sweep_and_are_labelled():
+    for sweep in plots.SWEEPS:
+        df = plots.read_results_csv(SAMPLE / sweep / "results.csv")
+        assert not df.empty, sweep
+        assert set(df["sweep"]) == {sweep}
+        assert (df["git_sha"] == "sample").all() and (df["gpu_name"] == "sample-data").all()
+    allrows = pd.concat(plots.read_results_csv(SAMPLE / s / "results.csv") for s in plots.SWEEPS)
+    assert {"gpu_oom", "host_oom", "skipped", "error", "timeout"} <= set(allrows["status"])
+    ok = allrows[allrows["status"] == "ok"]
+    # the tflops column follows the documented formula
+    assert ((ok["tflops"] - plots.formula_tflops(ok)).abs() / ok["tflops"] < 0.01).all()
+
+
+def test_plots_from_sample(tmp_path):
+    out = tmp_path / "plots"
+    written, errors = plots.make_plots(SAMPLE, out, log=lambda *_: None)
+    assert errors == []
+    for name in plots.expected_figures():
+        for ext in ("png", "pdf"):
+            p = out / f"{name}.{ext}"
+            assert p.exists() and p.stat().st_size > 5000, p
+    assert len(written) == 2 * len(plots.expected_figures())
+
+
+def test_report_from_sample(tmp_path):
+    text = _report(SAMPLE, tmp_path)
+    assert "SAMPLE DATA — not a measurement" in text.split("## Environment")[0]
+    assert "(6·P·T + 12·L·h·s·T)" in text and "797.5" in text
+    for c in CLAIMS["claims"]:
+        assert f"`{c['id']}`" in text, c["id"]
+    for word in ("matched", "missed by", "exceeded", "not measured", "not comparable"):
+        assert f"**{word}" in text, word
+    assert "Reference baselines on our machine" in text
+    for sweep in plots.SWEEPS:
+        assert f"### {sweep}" in text
+    assert "MegaTrain ÷ ZeRO-3" in text
+    assert "All 131 rows come from one git SHA" in text or "come from one git SHA" in text
+
+
+def test_claim_verdicts(tmp_path):
+    rows = report._all_rows({s: plots.read_results_csv(SAMPLE / s / "results.csv") for s in plots.SWEEPS})
+    claims = {c["id"]: c for c in CLAIMS["claims"]}
+    hw = CLAIMS["hardware"]
+
+    def ev(cid):
+        return report.evaluate_claim(claims[cid], rows, 0.10, hw)
+
+    assert ev("gh200_14b")["verdict"].startswith("matched")            # 246 vs 264
+    assert ev("gh200_7b")["verdict"] == "missed by 11%"                # 252 vs 284
+    assert ev("gh200_14b_ratio")["verdict"].startswith("exceeded by")  # 2.20x vs 1.84x
+    assert "2.20×" in ev("gh200_14b_ratio")["ours"]
+    assert ev("a100_7b")["verdict"].startswith("not comparable")       # emulated absolute
+    assert ev("a100_32b")["verdict"] == "not measured"
+    assert ev("width_5x_zero3_oom")["verdict"] == "matched"
+    assert ev("h200_72b_trains")["verdict"].startswith("not comparable (needs")
+    assert ev("abl_no_double_buffer")["verdict"].startswith("matched")
+    assert ev("ctx_512k")["verdict"] == "missed (OOM)"
+    assert ev("ref_zero3_3b")["verdict"].startswith("matched")
+    assert all(ev(c)["sample"] for c in ("gh200_14b", "gh200_14b_ratio"))
+
+
+def test_missing_sweeps_are_skipped(tmp_path):
+    results = _copy(["smoke", "size"], tmp_path / "results")
+    msgs = []
+    written, errors = plots.make_plots(results, tmp_path / "plots", log=msgs.append)
+    assert errors == []
+    names = sorted({p.stem for p in written})
+    assert names == sorted(plots.expected_figures(["smoke", "size"]))
+    assert any("skip" in m and "depth" in m for m in msgs)
+    text = _report(results, tmp_path)
+    assert "missing: depth, width, context, hardware, ablation, tokens" in text
+    assert "| Depth 42 layers, vs 28 `depth_42` |" in text and "**not measured**" in text
+
+
+def test_empty_results_dir(tmp_path):
+    (tmp_path / "results").mkdir()
+    written, errors = plots.make_plots(tmp_path / "results", tmp_path / "plots", log=lambda *_: None)
+    assert written == [] and errors == []
+    text = _report(tmp_path / "results", tmp_path)
+    assert "sweeps found: none" in text
+    assert text.count("**not measured**") == len(CLAIMS["claims"])
+
+
+def test_wrong_header_gives_clear_error(tmp_path, capsys):
+    bad = tmp_path / "results" / "size" / "results.csv"
+    bad.parent.mkdir(parents=True)
+    df = pd.read_csv(SAMPLE / "size" / "results.csv", dtype=str)
+    df.rename(columns={"tflops": "TFLOPs", "num_params": "params"}).to_csv(bad, index=False)
+    with pytest.raises(plots.ResultsSchemaError) as e:
+        plots.read_results_csv(bad)
+    msg = str(e.value)
+    assert str(bad) in msg and "missing 2 column(s)" in msg and "num_params" in msg and "tflops" in msg
+    assert "unexpected column(s): params, TFLOPs" in msg
+    assert plots.main(["--results", str(tmp_path / "results"), "--out", str(tmp_path / "plots")]) == 2
+    assert "header does not match" in capsys.readouterr().err
+    assert report.main(["--results", str(tmp_path / "results"), "--out", str(tmp_path / "R.md")]) == 2
+
+
+def test_mixed_sha_and_real_rows(tmp_path):
+    results = _copy(["size"], tmp_path / "results")
+    path = results / "size" / "results.csv"
+    df = pd.read_csv(path, dtype=str, keep_default_na=False)
+    df["git_sha"], df["gpu_name"] = "1111111", "NVIDIA H200"
+    df.loc[3, "git_sha"] = "abcdef0"
+    df.to_csv(path, index=False)
+    text = _report(results, tmp_path)
+    assert "SAMPLE DATA" not in text
+    assert "rows come from 2 different git SHAs" in text and "abcdef0" in text
+    assert "*(sample)*" not in text
+
+
+def test_repeated_rows_keep_last_and_missing_tflops_is_derived(tmp_path):
+    results = _copy(["size"], tmp_path / "results")
+    path = results / "size" / "results.csv"
+    df = pd.read_csv(path, dtype=str, keep_default_na=False)
+    first = df.iloc[[0]].copy()
+    first["tflops"], first["mfu"] = "", ""
+    pd.concat([df, first]).to_csv(path, index=False)
+    frames, errors = plots.load_results(results, log=lambda *_: None)
+    got = frames["size"]
+    assert errors == [] and len(got) == len(df)
+    r = got[(got["point"] == df.loc[0, "point"]) & (got["system"] == df.loc[0, "system"])].iloc[0]
+    assert r["tflops"] == pytest.approx(float(df.loc[0, "tflops"]), rel=1e-2)
+    assert r["mfu"] == pytest.approx(r["tflops"] / 797.5)
+
+
+def test_no_torch_import():
+    code = "import sys, experiments.plots, experiments.report; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
