@@ -87,7 +87,7 @@ def load_into(store: HostStore, path, groups: list[Group]) -> None:
     by_file: dict[str, list[str]] = {}
     for name in targets:
         by_file.setdefault(wmap[name], []).append(name)
-    for fname, names in by_file.items():
+    for fname, names in _progress(by_file.items(), len(by_file), f"load {Path(path).name}", "file", 2):
         with safe_open(str(Path(path) / fname), framework="pt") as f:
             for name in names:
                 targets[name].copy_(f.get_tensor(name))
@@ -120,8 +120,15 @@ def iter_init(meta_model, groups: list[Group], seed: int, device: torch.device):
             m.to(device="meta")
 
 
+def _progress(iterable, total: int, desc: str, unit: str = "group", min_total: int = 16):
+    """A progress bar for long host work (big models); silent for small ones."""
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, unit=unit, disable=total < min_total, leave=False)
+
+
 def init_into(store: HostStore, meta_model, groups: list[Group], seed: int, device: torch.device) -> None:
-    for g, tensors in iter_init(meta_model, groups, seed, device):
+    for g, tensors in _progress(iter_init(meta_model, groups, seed, device), len(groups), "init weights"):
         for view, t in zip(views(store.master[g.name], g), tensors):
             view.copy_(t)
 
@@ -135,7 +142,7 @@ def write_initial_weights(spec_or_config, out_dir, seed: int = 0, device: str = 
     out = Path(out_dir)
 
     def tensors():
-        for g, ts in iter_init(meta, groups, seed, torch.device(device)):
+        for g, ts in _progress(iter_init(meta, groups, seed, torch.device(device)), len(groups), "init weights"):
             for name, t in zip(g.hf_names, ts):
                 yield name, t.detach().to("cpu", torch.float32).contiguous()
 
