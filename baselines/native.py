@@ -1,0 +1,91 @@
+"""Plain PyTorch: the whole HF model, its gradients and AdamW state on the device.
+
+The upper bound on speed where the model fits, and the CPU parity reference. On CUDA: fp32 parameters
+and optimizer state, bf16 autocast for compute, ``torch.optim.AdamW(fused=True)``, HF gradient
+checkpointing (non-reentrant) when ``activation_checkpointing``. On CPU: fp32 throughout, no autocast,
+torch's default (foreach) AdamW.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from megatrain.system import OptimConfig, StepResult, lr_multiplier
+
+from .common import (COMMON_OPTIONS, BaselineSystem, CausalLMLoss, build_guarded, check_options, clip_norm,
+                     enable_activation_checkpointing, load_hf_model, prepare_step)
+
+OPTIONS = dict(COMMON_OPTIONS, fused_adamw=None)  # fused_adamw: None = fused on CUDA, foreach on CPU
+
+
+class NativeSystem(BaselineSystem):
+    name = "native"
+
+    def __init__(self, *, init_dir, optim: OptimConfig, micro_batches: int = 1, device: str = "cuda",
+                 dtype: torch.dtype = torch.bfloat16, activation_checkpointing: bool = True,
+                 options: dict | None = None):
+        opts = check_options(self.name, options, OPTIONS)
+        super().__init__(device, optim, micro_batches)
+        self.model = self.optimizer = self.scheduler = None
+        try:
+            on_cuda = self.device.type == "cuda"
+            self.autocast_dtype = dtype if (on_cuda and dtype != torch.float32) else None
+            lm = load_hf_model(init_dir, opts["attn_implementation"])
+            if activation_checkpointing:
+                enable_activation_checkpointing(lm)
+            self.model = CausalLMLoss(lm, opts["loss_chunk_tokens"]).to(self.device)
+            fused = on_cuda if opts["fused_adamw"] is None else bool(opts["fused_adamw"])
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=tuple(optim.betas),
+                                               eps=optim.eps, weight_decay=optim.weight_decay,
+                                               **({"fused": True} if fused else {}))
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer,
+                lambda s: lr_multiplier(s, optim.warmup_steps, optim.total_steps, optim.min_lr_ratio))
+            self.info.update(system=self.name, optimizer="torch.AdamW(fused)" if fused else "torch.AdamW",
+                             compute_dtype=str(self.autocast_dtype or torch.float32).replace("torch.", ""),
+                             activation_checkpointing=bool(activation_checkpointing), options=opts)
+            self._finish_build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def _step(self, batch, t0) -> StepResult:
+        mbs, denom, tokens = prepare_step(batch, self.micro_batches, self.device)
+        lr = self.scheduler.get_last_lr()[0]
+        total = None
+        for mb in mbs:
+            with self._autocast():
+                loss = self.model(**mb.inputs, denom=denom)
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = clip_norm(self.optim)
+        if max_norm:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_value, norm_value = float(total), float(norm)
+        return StepResult(loss=loss_value, tokens=tokens, step_time_s=self.elapsed(t0), lr=lr, grad_norm=norm_value)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """HF-named fp32 weights (CPU copies), for parity tests."""
+        return {k: v.detach().float().cpu().clone() for k, v in self.model.lm.state_dict().items()}
+
+    def _release(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.state.clear()
+        self.model = self.optimizer = self.scheduler = None
+
+
+def build(**kwargs) -> NativeSystem:
+    return build_guarded(NativeSystem, NativeSystem.name, **kwargs)

@@ -1,0 +1,300 @@
+"""DeepSpeed ZeRO-3 with parameters and optimizer state offloaded to pinned CPU memory.
+
+Configured as a DeepSpeed user training one large model on one GPU would: stage 3, ``offload_param`` and
+``offload_optimizer`` to pinned CPU memory, ``overlap_comm``, ``contiguous_gradients``, bucket sizes
+derived from the hidden size the way HF's integration resolves "auto" (reduce bucket h^2, prefetch
+0.9 h^2, persistence threshold 10 h), bf16 mixed precision, DeepSpeedCPUAdam (AdamW mode) on the
+fp32 master partitions, DeepSpeed's own gradient clipping, HF activation checkpointing.
+
+Runs in-process without the ``deepspeed`` launcher: a world-size-1 process group (nccl on CUDA, gloo on
+CPU) and the torchrun-style environment variables DeepSpeed reads.
+
+Initial weights (the fairness point): the model is built under ``deepspeed.zero.Init`` (parameters are
+partitioned to pinned CPU memory as they are created, the full model never sits on the GPU), then
+*every* parameter is overwritten from the shared ``save_pretrained`` folder with
+``GatheredParameters(modifier_rank=0)``; HF's own random init under ``zero.Init`` is never used (it gave
+a step-0 loss of ~1560 instead of ~12 on a 3B model). With bf16 the fp32 master partitions, which
+DeepSpeed derives from the bf16 parameters, are then set to the exact fp32 checkpoint values
+(``safe_set_full_fp32_param``), so the masters start where every other system starts. Rotary
+``inv_freq`` buffers, which ``zero.Init`` creates in bf16, are rebuilt in fp32.
+
+CPU (CI parity) path: DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``, auto-detected on a machine
+without CUDA) with gloo, fp32, and ``torch.optim.AdamW`` as the client optimizer (``cpu_adam`` is
+bit-for-bit the same kernel as on the GPU node but takes ~45 s to JIT-compile; ``options["optimizer"]=
+"cpu_adam"`` selects it). The CPU accelerator's shared-memory all-reduce op (a JIT-compiled extension
+only multi-rank CPU jobs use) is not built.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import torch
+
+from megatrain.system import OptimConfig, StepResult
+
+from .common import (COMMON_OPTIONS, BaselineSystem, CausalLMLoss, build_guarded, causal_lm_class,
+                     check_options, checkpoint_tensors, clip_norm, enable_activation_checkpointing,
+                     ensure_process_group, fp32_rotary_buffers, non_fp32_float_buffers, prepare_step,
+                     read_hf_config)
+
+OPTIONS = dict(
+    COMMON_OPTIONS,
+    optimizer="auto",  # "auto" (cpu_adam on CUDA, falling back to torch_adamw if it cannot be built;
+                       # torch_adamw on CPU), "cpu_adam" (DeepSpeedCPUAdam), "torch_adamw"
+    zero_optimization=None,  # dict merged into the zero_optimization section (e.g. bucket sizes)
+    ds_config=None,  # dict merged (recursively) into the whole DeepSpeed config last
+    exact_fp32_master=True,  # bf16: set the fp32 master partitions to the checkpoint's fp32 values
+    cpu_bf16=False,  # tests only: run the bf16 path (bf16 zero.Init, exact masters) on the CPU accelerator
+)
+
+
+def _merge(base: dict, extra: dict | None) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in (extra or {}).items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def make_ds_config(hidden_size: int, optim: OptimConfig, micro_batches: int, *, bf16: bool,
+                   torch_optimizer: bool, zero_overrides: dict | None = None,
+                   config_overrides: dict | None = None) -> dict:
+    """The DeepSpeed config dict (no "auto" values: those only resolve inside HF's Trainer)."""
+    h = int(hidden_size)
+    zero = {
+        "stage": 3,
+        "offload_param": {"device": "cpu", "pin_memory": True},
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": h * h,
+        "stage3_prefetch_bucket_size": int(0.9 * h * h),
+        "stage3_param_persistence_threshold": 10 * h,
+        "stage3_max_live_parameters": int(1e9),
+        "stage3_max_reuse_distance": int(1e9),
+        "sub_group_size": int(1e9),
+        "stage3_gather_16bit_weights_on_model_save": False,
+    }
+    cfg = {
+        # DeepSpeed derives train_batch_size = micro x accumulation x world; the row count of our
+        # micro-batches does not enter the computation, only the accumulation boundary does.
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": int(micro_batches),
+        "gradient_clipping": clip_norm(optim),
+        "bf16": {"enabled": bool(bf16)},
+        "fp16": {"enabled": False},
+        "zero_optimization": _merge(zero, zero_overrides),
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+    if torch_optimizer:
+        # DeepSpeed insists on its CPU Adam with offload unless told otherwise.
+        cfg["zero_force_ds_cpu_optimizer"] = False
+    return _merge(cfg, config_overrides)
+
+
+def _no_shm_op():
+    return None
+
+
+def import_deepspeed(device_type: str):
+    """Import DeepSpeed with the accelerator matching ``device_type`` (CPU: ``DS_ACCELERATOR=cpu`` must be
+    set before the first import; without CUDA DeepSpeed picks the CPU accelerator by itself)."""
+    if device_type == "cpu" and "deepspeed" not in sys.modules:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator().device_name()
+    if accel != device_type:
+        raise RuntimeError(f"DeepSpeed's accelerator is {accel!r} but device={device_type!r}: set "
+                           f"DS_ACCELERATOR={device_type} before deepspeed is first imported")
+    if device_type == "cpu":
+        # TorchBackend JIT-compiles a shared-memory all-reduce op on the CPU accelerator (~1 min, used only
+        # by multi-rank CPU inference all-reduce); a world of one never needs it.
+        comm_torch = sys.modules.get("deepspeed.comm.torch")
+        if comm_torch is not None:
+            comm_torch.build_shm_op = _no_shm_op
+    return deepspeed
+
+
+class Zero3System(BaselineSystem):
+    name = "zero3"
+
+    def __init__(self, *, init_dir, optim: OptimConfig, micro_batches: int = 1, device: str = "cuda",
+                 dtype: torch.dtype = torch.bfloat16, activation_checkpointing: bool = True,
+                 options: dict | None = None):
+        opts = check_options(self.name, options, OPTIONS)
+        if opts["optimizer"] not in ("auto", "cpu_adam", "torch_adamw"):
+            raise ValueError(f"zero3 optimizer must be auto, cpu_adam or torch_adamw, got {opts['optimizer']!r}")
+        super().__init__(device, optim, micro_batches)
+        self.engine = self.module = None
+        try:
+            self._build(init_dir, opts, dtype, activation_checkpointing)
+            self._finish_build()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- build ------------------------------------------------------------------------------------
+    def _build(self, init_dir, opts, dtype, activation_checkpointing) -> None:
+        on_cuda = self.device.type == "cuda"
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"zero3 supports bf16 or fp32 compute, got {dtype}")
+        bf16 = dtype == torch.bfloat16 and (on_cuda or bool(opts["cpu_bf16"]))
+        ds = self.deepspeed = import_deepspeed(self.device.type)
+        self._owns_process_group = ensure_process_group("nccl" if on_cuda else "gloo", self.device)
+        # DeepSpeed reads the launcher's variables even when the group exists already.
+        for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", str(self.device.index or 0)),
+                           ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+            os.environ.setdefault(key, value)
+        ds.init_distributed(dist_backend="nccl" if on_cuda else "gloo", auto_mpi_discovery=False, verbose=False)
+
+        choice = opts["optimizer"]
+        if choice == "auto":
+            choice = "cpu_adam" if on_cuda else "torch_adamw"
+        hf_config = read_hf_config(init_dir, opts["attn_implementation"])
+        ds_config = make_ds_config(hf_config.hidden_size, self.optim, self.micro_batches, bf16=bf16,
+                                   torch_optimizer=(choice == "torch_adamw" or opts["optimizer"] == "auto"),
+                                   zero_overrides=opts["zero_optimization"], config_overrides=opts["ds_config"])
+
+        # 1) Build partitioned, straight into (pinned) CPU memory.
+        cls = causal_lm_class(hf_config)
+        with ds.zero.Init(config_dict_or_path=ds_config):
+            lm = cls(hf_config)
+        fixed = fp32_rotary_buffers(lm)
+        # 2) Overwrite every parameter with the shared initial weights.
+        self._load_weights(lm, init_dir)
+        if activation_checkpointing:
+            enable_activation_checkpointing(lm)
+        lm.config.use_cache = False
+        lm.train()
+        self.module = CausalLMLoss(lm, opts["loss_chunk_tokens"])
+
+        # 3) Optimizer and engine.
+        optimizer, opt_name = self._make_optimizer(choice, opts["optimizer"] == "auto")
+        self.engine, _, _, _ = ds.initialize(model=self.module, optimizer=optimizer, config=ds_config)
+        del optimizer
+        if bf16 and opts["exact_fp32_master"]:
+            self._set_fp32_masters(lm, init_dir)
+        fixed += fp32_rotary_buffers(lm)  # in case initialize cast buffers (0.19.8 keeps fp32 ones)
+        self.name = "zero3" if opt_name == "DeepSpeedCPUAdam" else "zero3[torch-adamw]"
+        self.info.update(system=self.name, optimizer=opt_name, compute_dtype="bfloat16" if bf16 else "float32",
+                         deepspeed_version=ds.__version__, ds_config=ds_config,
+                         rotary_buffers_rebuilt_fp32=fixed, non_fp32_buffers=non_fp32_float_buffers(lm),
+                         exact_fp32_master=bool(bf16 and opts["exact_fp32_master"]),
+                         activation_checkpointing=bool(activation_checkpointing),
+                         options={k: v for k, v in opts.items() if k not in ("ds_config", "zero_optimization")})
+
+    def _load_weights(self, lm, init_dir) -> None:
+        ds = self.deepspeed
+        by_name = dict(lm.named_parameters(remove_duplicate=False))  # tied aliases map to one parameter
+        loaded: set[int] = set()
+        for name, tensor in checkpoint_tensors(init_dir):
+            param = by_name.get(name)
+            if param is None:
+                raise KeyError(f"{init_dir}: tensor {name!r} has no parameter in {type(lm).__name__}")
+            shape = tuple(getattr(param, "ds_shape", param.shape))
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {shape}")
+            with ds.zero.GatheredParameters([param], modifier_rank=0):
+                with torch.no_grad():
+                    param.data.copy_(tensor)
+            loaded.add(id(param))
+        missing = [n for n, p in lm.named_parameters() if id(p) not in loaded]
+        if missing:
+            raise KeyError(f"{init_dir} lacks initial weights for {missing[:5]}"
+                           f"{f' (and {len(missing) - 5} more)' if len(missing) > 5 else ''}")
+
+    def _set_fp32_masters(self, lm, init_dir) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        by_name = dict(lm.named_parameters(remove_duplicate=False))
+        done: set[int] = set()
+        for name, tensor in checkpoint_tensors(init_dir):
+            param = by_name[name]
+            if id(param) in done:
+                continue
+            safe_set_full_fp32_param(param, tensor.to(torch.float32))
+            done.add(id(param))
+
+    def _make_optimizer(self, choice: str, auto: bool):
+        o = self.optim
+        params = list(self.module.parameters())
+        if choice == "cpu_adam":
+            try:
+                from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+                return DeepSpeedCPUAdam(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                        weight_decay=o.weight_decay, adamw_mode=True), "DeepSpeedCPUAdam"
+            except Exception as exc:  # the op failed to JIT-compile
+                if not auto:
+                    raise
+                self.info["cpu_adam_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+        kwargs = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        try:
+            # DeepSpeed swaps in fp32 CPU partitions; torch's fused CPU AdamW is the fastest on those.
+            return torch.optim.AdamW(params, fused=True, **kwargs), "torch.AdamW(fused)"
+        except (RuntimeError, ValueError):
+            return torch.optim.AdamW(params, **kwargs), "torch.AdamW"
+
+    # -- step -------------------------------------------------------------------------------------
+    def _step(self, batch, t0) -> StepResult:
+        engine = self.engine
+        mbs, denom, tokens = prepare_step(batch, self.micro_batches, self.device)
+        lr = self.lr_for_step(self.steps_done)
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr
+        start = engine.global_steps
+        total = None
+        for mb in mbs:
+            loss = engine(**mb.inputs, denom=denom)
+            # The loss is already scaled by this micro-batch's share of the step's labelled tokens.
+            engine.backward(loss, scale_wrt_gas=False)
+            engine.step()
+            total = loss.detach().float() if total is None else total + loss.detach().float()
+        if engine.global_steps != start + 1:
+            raise RuntimeError(f"zero3: expected one optimizer step per {self.micro_batches} micro-batches, "
+                               f"DeepSpeed took {engine.global_steps - start}")
+        norm = engine.get_global_grad_norm()
+        loss_value = float(total)
+        norm_value = float(norm) if norm is not None else float("nan")
+        return StepResult(loss=loss_value, tokens=tokens, step_time_s=self.elapsed(t0), lr=lr, grad_norm=norm_value)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """HF-named fp32 master weights gathered to CPU (for parity tests; small models only)."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        out = {}
+        for name, param in self.module.lm.named_parameters(remove_duplicate=False):
+            out[name] = safe_get_full_fp32_param(param).detach().float().cpu().clone()
+        return out
+
+    # -- close ------------------------------------------------------------------------------------
+    def _release(self) -> None:
+        engine, self.engine, self.module = self.engine, None, None
+        if engine is not None:
+            try:
+                engine.destroy()
+            finally:
+                del engine
+
+    def _destroy_process_group(self) -> None:
+        import deepspeed.comm as dist
+
+        try:
+            dist.destroy_process_group()  # also drops DeepSpeed's cached group handles
+        except Exception:
+            import torch.distributed
+
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+
+
+def build(**kwargs) -> Zero3System:
+    return build_guarded(Zero3System, Zero3System.name, **kwargs)

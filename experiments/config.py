@@ -1,0 +1,265 @@
+"""Typed configuration of the sweep runner (hydra structured configs).
+
+The YAML files under ``experiments/conf/`` are the options of four config groups; the dataclasses here
+are their schemas, registered in hydra's ConfigStore (``run_schema`` for the primary config and
+``schema/<group>/...`` for the groups), so a misspelt key fails at once instead of being ignored:
+
+* ``sweep``    (``SweepConfig``, files ``conf/sweep/*.yaml``, package ``_global_``): which systems and
+  which axis values; a sweep file may also set run-level defaults (steps, batch_size, model, ...),
+  which command-line overrides still beat.
+* ``model``    (``ModelConfig``): a ``megatrain.spec.PRESETS`` name plus ``depth`` (layer count) and
+  ``width`` (multiplier of hidden and FFN size).
+* ``system``   (``SystemConfig``; megatrain: ``MegatrainSystemConfig``): unset by default, meaning "every
+  system the sweep lists"; ``system=<name>`` runs the sweep with that one system and lets its options be
+  overridden (``system.options.num_slots=1``).
+* ``hardware`` (``HardwareConfig``): ``real`` (default) or an emulated profile (GPU memory cap + the peak
+  TFLOPS used for MFU).
+
+This module imports neither torch nor megatrain.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+# Peak dense bf16 TFLOPS used for MFU, by substring of the GPU name (first match wins).
+PEAK_TFLOPS: dict[str, float] = {
+    "H200": 797.5,  # measured on our H200 (dense bf16 matmul), not the datasheet's 989
+    "A100": 312.0,
+    "A6000": 154.8,
+    "3090": 142.0,
+}
+
+
+def peak_tflops_for(gpu_name: str | None) -> float | None:
+    if not gpu_name:
+        return None
+    for key, value in PEAK_TFLOPS.items():
+        if key.lower() in gpu_name.lower():
+            return value
+    return None
+
+
+@dataclass
+class ModelConfig:
+    """A model preset (``megatrain.spec.PRESETS``) and the depth/width knobs of ``ModelSpec.scaled``."""
+
+    name: str = "qwen2.5-7b"
+    depth: Optional[int] = None  # number of decoder layers; None = the preset's
+    width: float = 1.0  # multiplier of hidden and FFN size (head_dim fixed, heads scale)
+
+
+@dataclass
+class MegatrainOptions:
+    """Engine knobs passed as ``options`` to the megatrain system; defaults mirror
+    ``megatrain.config.EngineConfig`` (a test keeps them equal)."""
+
+    num_slots: int = 2  # 2 = double buffering; 1 = synchronous (ablation)
+    checkpoint_interval: int = 1  # K layers per checkpoint block; 0 = all layers
+    grad_slabs: int = 4  # pinned gradient slabs; 0 = slab pool off (ablation)
+    overlap_optimizer: bool = True  # CPU AdamW overlapped with the next forward
+    stream_dtype: str = "fp32"  # what crosses PCIe: "fp32" master or a pinned "bf16" shadow
+    loss_chunk_tokens: int = 4096
+    pin_memory: bool = True
+    host_margin_gib: float = 2.0
+
+
+@dataclass
+class SystemConfig:
+    """One training system. ``options`` go to ``baselines.registry.build_system(name, options=...)``.
+
+    ``factory`` ("package.module:callable" or "/path/file.py:callable") replaces the registry for this
+    system: it is called with the registry's keyword arguments plus ``name``. Used by the tests' fake
+    systems; leave it null for the real ones."""
+
+    name: str = MISSING
+    options: Dict[str, Any] = field(default_factory=dict)
+    activation_checkpointing: bool = True
+    factory: Optional[str] = None
+
+
+@dataclass
+class MegatrainSystemConfig(SystemConfig):
+    name: str = "megatrain"
+    options: MegatrainOptions = field(default_factory=MegatrainOptions)  # type: ignore[assignment]
+
+
+# Systems whose options have a typed schema (unknown option keys fail at composition / expansion).
+SYSTEM_SCHEMAS: dict[str, type] = {"megatrain": MegatrainSystemConfig}
+SYSTEM_OPTION_SCHEMAS: dict[str, type] = {"megatrain": MegatrainOptions}
+
+
+@dataclass
+class HardwareConfig:
+    """``real``: the GPU as it is (label = its short name, peak from ``PEAK_TFLOPS``). An emulated
+    profile caps GPU memory with ``torch.cuda.set_per_process_memory_fraction`` (the caching allocator
+    only; compute is still the real GPU's) and uses the profile's peak TFLOPS for MFU."""
+
+    name: str = "real"
+    gpu_mem_gib: Optional[float] = None  # cap; None = no cap
+    peak_tflops: Optional[float] = None  # None = look the real GPU up in PEAK_TFLOPS
+    emulated: bool = False
+    description: str = ""
+
+
+@dataclass
+class OptimSettings:
+    """AdamW settings shared by every system (``megatrain.system.OptimConfig``)."""
+
+    lr: float = 1e-5
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: Optional[float] = 1.0
+    lr_warmup_steps: int = 0  # LR schedule warmup (not the runner's measurement warmup)
+
+
+@dataclass
+class SweepConfig:
+    """The axes of a sweep; the points are their cartesian product (model, depth, width, shape,
+    hardware, variant, system; systems innermost). An empty axis means "the run-level value"
+    (``model``, ``model.depth``, ``model.width``, ``seq_len``, ``batch_size``, ``hardware``)."""
+
+    name: str = MISSING
+    description: str = ""
+    systems: List[str] = MISSING
+    models: List[str] = field(default_factory=list)
+    depths: List[int] = field(default_factory=list)
+    widths: List[float] = field(default_factory=list)
+    seq_lens: List[int] = field(default_factory=list)
+    batch_sizes: List[int] = field(default_factory=list)
+    # If set, batch = max(1, T // seq) for each seq (tokens per step held roughly constant); replaces
+    # batch_sizes.
+    tokens_per_step: List[int] = field(default_factory=list)
+    hardware: List[str] = field(default_factory=list)  # hardware profile names
+    # variant name -> system option overrides (merged over the system's options). Empty = one variant,
+    # "default", with no overrides.
+    variants: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class RunConfig:
+    """The primary config (``conf/config.yaml`` on top of this schema)."""
+
+    sweep: SweepConfig = MISSING
+    model: ModelConfig = MISSING
+    hardware: HardwareConfig = MISSING
+    system: Optional[SystemConfig] = None  # null: all systems of the sweep
+    optim: OptimSettings = field(default_factory=OptimSettings)
+    steps: int = 5  # measured steps per point
+    warmup_steps: int = 2  # steps run first and excluded from the statistics
+    batch_size: int = 8
+    seq_len: int = 1024
+    micro_batches: int = 1
+    seed: int = 0  # initial weights and synthetic data
+    timeout_s: float = 1800.0  # per point (the training process; init weights have their own)
+    init_timeout_s: float = 3600.0  # writing a model's initial weights into the cache
+    # Stop starting points once this many seconds have passed (a point's timeout is clipped to what is
+    # left); a rerun continues with the rest. For wrappers that kill long commands. None = no budget.
+    time_budget_s: Optional[float] = None
+    redo: bool = False  # re-run points already recorded as ok/skipped (failed ones are always re-run)
+    results_dir: str = "results"
+    cache_dir: Optional[str] = None  # initial weights; None: $MEGATRAIN_CACHE or <results_dir>/.init_cache
+    device: str = "auto"  # auto: cuda if available else cpu
+    # CPU threads of torch in the point process (OMP_NUM_THREADS + torch.set_num_threads); None = torch's
+    # default. The smoke sweep uses 1: on 2 cores, OpenMP workers spinning against the systems' sampler
+    # threads made tiny steps ~50x slower.
+    torch_threads: Optional[int] = None
+    dtype: str = "auto"  # compute dtype: auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32
+    only: List[str] = field(default_factory=list)  # fnmatch patterns on point ids; empty = all points
+    dry_run: bool = False  # list the points (and what a run would do with each) and exit
+    # After the sweep: regenerate the figures (plots_dir) and <results_dir>/REPORT.md from all CSVs.
+    post: bool = True
+    plots_dir: str = "plots"
+
+
+GROUP_SCHEMAS: dict[str, type] = {
+    "sweep": SweepConfig,
+    "model": ModelConfig,
+    "hardware": HardwareConfig,
+    "system": SystemConfig,
+}
+
+
+def register() -> None:
+    """Put the schemas into hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    for group, node in GROUP_SCHEMAS.items():
+        cs.store(group=f"schema/{group}", name="base", node=node)
+    for name, node in SYSTEM_SCHEMAS.items():
+        cs.store(group="schema/system", name=name, node=node)
+
+
+register()
+
+
+# -- fail-fast checks of command-line overrides ---------------------------------------------------
+def _fields(cls) -> dict[str, Any]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _nested_schema(cls, name: str):
+    """The dataclass type of field ``name`` of dataclass ``cls`` (None if it is not a dataclass)."""
+    hints = typing.get_type_hints(cls)
+    t = hints.get(name)
+    for candidate in (t, *getattr(t, "__args__", ())):
+        if dataclasses.is_dataclass(candidate):
+            return candidate
+    return None
+
+
+def check_overrides(args: list[str]) -> str | None:
+    """A message for the first override whose key does not exist (listing the valid keys), else None.
+
+    Hydra itself rejects unknown keys, but without saying which exist; this runs first. Group choices
+    (``sweep=nope``) are left to hydra, whose message lists the available options.
+    """
+    groups = set(GROUP_SCHEMAS)
+    top = _fields(RunConfig)
+    chosen_system = None
+    parsed = []
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue  # hydra flags (--cfg job, -m, ...)
+        key = arg.split("=", 1)[0]
+        prefix = ""
+        while key[:1] in "+~":
+            prefix += key[0]
+            key = key[1:]
+        if "@" in key:  # group@package: leave to hydra
+            continue
+        parsed.append((prefix, key, arg.split("=", 1)[1]))
+        if key == "system":
+            chosen_system = arg.split("=", 1)[1]
+    for prefix, key, _value in parsed:
+        parts = key.split(".")
+        if parts[0] == "hydra":
+            continue
+        if parts[0] not in top:
+            return (f"Unknown config key '{key}' (in override '{prefix}{key}=...').\n"
+                    f"Valid top-level keys: {', '.join(k for k in top if k not in groups)}\n"
+                    f"Config groups (choose with group=option, edit with group.key=value): "
+                    f"{', '.join(sorted(groups))}\n"
+                    f"See `python -m experiments.run sweep=smoke --cfg job` for the whole config.")
+        cls, path = RunConfig, []
+        for part in parts:
+            if cls is None:  # below a dict/list/scalar field: not checked here
+                break
+            names = _fields(cls)
+            if part not in names:
+                where = ".".join(path)
+                return (f"Unknown config key '{key}': '{part}' is not a key of '{where}' ({cls.__name__}).\n"
+                        f"Valid keys of '{where}': {', '.join(names)}")
+            path.append(part)
+            if cls is RunConfig and part == "system":
+                cls = SYSTEM_SCHEMAS.get(chosen_system or "", SystemConfig)
+            else:
+                cls = _nested_schema(cls, part)
+    return None

@@ -1,0 +1,117 @@
+"""Background sampling of host and GPU memory peaks.
+
+``Monitor(pid)`` samples, every ``interval`` seconds in a daemon thread, the RSS of process ``pid`` plus
+all its descendants (psutil) and, where NVML works, the used memory of the GPU (whole device, so other
+processes on it count too). The point process monitors itself; the runner also monitors each point
+process from outside, so a point killed by the OOM killer still gets a host peak.
+
+Sampling misses spikes shorter than the interval; the allocator's own peaks
+(``torch.cuda.max_memory_allocated``) are recorded separately by the point process.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+from .envinfo import nvml_handle
+
+
+class Monitor:
+    def __init__(self, pid: int | None = None, interval: float = 0.2, gpu: bool = True,
+                 gpu_index: int | None = None):
+        import psutil
+
+        self.pid = os.getpid() if pid is None else pid
+        self.interval = interval
+        self._psutil = psutil
+        try:
+            self._proc = psutil.Process(self.pid)
+        except psutil.Error:
+            self._proc = None
+        self.peak_rss = 0
+        self.last_rss = 0
+        self.peak_gpu_used: int | None = None
+        self.samples = 0
+        self._gpu, self._gpu_index = gpu, gpu_index
+        self._nvml = self._handle = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # -- sampling -------------------------------------------------------------------------------
+    def _tree_rss(self) -> int:
+        if self._proc is None:
+            return 0
+        ps = self._psutil
+        total = 0
+        try:
+            procs = [self._proc] + self._proc.children(recursive=True)
+        except ps.Error:
+            return 0
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+            except ps.Error:
+                pass
+        return total
+
+    def sample(self) -> None:
+        rss = self._tree_rss()
+        used = None
+        if self._handle is not None:
+            try:
+                used = int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+            except Exception:
+                used = None
+        with self._lock:
+            self.samples += 1
+            if rss:
+                self.last_rss = rss
+                self.peak_rss = max(self.peak_rss, rss)
+            if used is not None:
+                self.peak_gpu_used = max(self.peak_gpu_used or 0, used)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> "Monitor":
+        if self._gpu:
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+                self._handle = nvml_handle(pynvml, self._gpu_index)
+            except Exception:  # no driver (CPU machines): GPU sampling off
+                self._nvml = self._handle = None
+        self.sample()
+        self._thread = threading.Thread(target=self._loop, name="memory-monitor", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict:
+        if self._thread is not None:
+            self.sample()
+            self._stop.set()
+            self._thread.join(timeout=5)
+            self._thread = None
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:
+                pass
+            self._nvml = self._handle = None
+        return self.peaks()
+
+    def peaks(self) -> dict:
+        with self._lock:
+            return {"host_peak_rss_bytes": self.peak_rss or None, "gpu_peak_nvml_bytes": self.peak_gpu_used,
+                    "samples": self.samples}
+
+    def __enter__(self) -> "Monitor":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

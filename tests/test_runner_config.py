@@ -1,0 +1,179 @@
+"""Sweep configs: every sweep composes and expands to the paper's points; YAML mirrors the schemas."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from experiments import config as C  # noqa: E402  (registers the schemas)
+from experiments import sweeps  # noqa: E402
+
+CONF = ROOT / "experiments" / "conf"
+SWEEPS = ("smoke", "size", "depth", "width", "context", "hardware", "ablation", "tokens")
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def compose_fn():
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        yield compose
+    GlobalHydra.instance().clear()
+
+
+def expand(compose_fn, *overrides, device="cuda", gpu_name="NVIDIA H200"):
+    cfg = compose_fn(config_name="config", overrides=list(overrides))
+    sweep = [o for o in overrides if o.startswith("sweep=")][0]
+
+    def load(group, name):
+        return compose_fn(config_name="config", overrides=[sweep, f"{group}={name}"])[group]
+
+    return cfg, sweeps.expand(cfg, load, device=device, gpu_name=gpu_name)
+
+
+def test_every_sweep_file_exists_and_expands(compose_fn):
+    assert sorted(p.stem for p in (CONF / "sweep").glob("*.yaml")) == sorted(SWEEPS)
+    for name in SWEEPS:
+        cfg, points = expand(compose_fn, f"sweep={name}")
+        assert cfg.sweep.name == name and points, name
+        assert len({p.id for p in points}) == len(points)
+
+
+def test_paper_axes(compose_fn):
+    _, pts = expand(compose_fn, "sweep=size")
+    assert [p.model for p in pts[::5]] == ["qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b",
+                                           "gpt-oss-120b-dense"]
+    assert [p.system for p in pts[:5]] == ["megatrain", "zero3", "fsdp", "gemini", "native"]
+    assert {(p.batch_size, p.seq_len) for p in pts} == {(8, 1024)}
+
+    _, pts = expand(compose_fn, "sweep=depth")
+    mt = [p for p in pts if p.system == "megatrain"]
+    assert [p.num_layers for p in mt] == [4, 8, 14, 28, 42, 56, 84, 132, 180]
+    assert {(p.spec["hidden_size"], p.spec["intermediate_size"]) for p in mt} == {(3584, 18944)}
+
+    cfg, pts = expand(compose_fn, "sweep=width")
+    mt = [p for p in pts if p.system == "megatrain"]
+    assert [p.width for p in mt] == [1.0, 1.5, 2.0, 3.0, 4.0, 5.0]
+    assert {p.num_layers for p in mt} == {28}
+    assert mt[2].spec["hidden_size"] == 2 * 3584 and mt[0].id.endswith("w1__s1024__b4__default__H200")
+    _, pts = expand(compose_fn, "sweep=width", "model.depth=14")
+    assert {p.num_layers for p in pts} == {14}
+
+    _, pts = expand(compose_fn, "sweep=context")
+    mt = [p for p in pts if p.system == "megatrain"]
+    assert [p.seq_len for p in mt] == [1024 * 2**i for i in range(10)]
+    assert [p.batch_size for p in mt] == [16, 8, 4, 2, 1, 1, 1, 1, 1, 1]
+    assert all(p.spec["max_position_embeddings"] >= p.seq_len for p in mt)
+
+    _, pts = expand(compose_fn, "sweep=tokens")
+    mt = [p for p in pts if p.system == "megatrain"]
+    assert [p.tokens_per_step for p in mt] == [2048 * 2**i for i in range(8)]
+    assert {p.seq_len for p in mt} == {1024} and {p.system for p in pts} == {"megatrain", "native"}
+    assert {p.model for p in pts} == {"qwen2.5-3b"}
+
+
+def test_hardware_profiles(compose_fn):
+    _, pts = expand(compose_fn, "sweep=hardware", "system=megatrain")
+    hw = [(p.hardware["label"], p.hardware["emulated"], p.hardware["gpu_mem_gib"], p.hardware["peak_tflops"])
+          for p in pts]
+    assert hw == [("H200", False, None, 797.5), ("A100-80GB", True, 80, 312.0),
+                  ("RTX-A6000-48GB", True, 48, 154.8), ("RTX-3090-24GB", True, 24, 142.0)]
+    _, pts = expand(compose_fn, "sweep=smoke", device="cpu", gpu_name="")
+    assert {p.hardware["label"] for p in pts} == {"cpu"} and pts[0].hardware["peak_tflops"] is None
+
+
+def test_ablation_variants_and_overrides(compose_fn):
+    _, pts = expand(compose_fn, "sweep=ablation")
+    opts = {p.variant: p.options for p in pts}
+    assert list(opts) == ["full", "no_double_buffer", "no_slab_pool", "ckpt_interval_1", "no_opt_overlap"]
+    full = opts["full"]
+    assert full["checkpoint_interval"] == 4 and full["num_slots"] == 2 and full["grad_slabs"] > 0
+    assert full["overlap_optimizer"] is True
+    diff = {v: {k: o[k] for k in o if o[k] != full[k]} for v, o in opts.items()}
+    assert diff == {"full": {}, "no_double_buffer": {"num_slots": 1}, "no_slab_pool": {"grad_slabs": 0},
+                    "ckpt_interval_1": {"checkpoint_interval": 1}, "no_opt_overlap": {"overlap_optimizer": False}}
+    assert {p.model for p in pts} == {"qwen2.5-3b"} and {p.batch_size for p in pts} == {16}
+    # the sweep's model default yields to the command line; system options too
+    _, pts = expand(compose_fn, "sweep=ablation", "model=qwen2.5-7b", "system=megatrain",
+                    "system.options.stream_dtype=bf16", "batch_size=4")
+    assert {p.model for p in pts} == {"qwen2.5-7b"} and {p.batch_size for p in pts} == {4}
+    assert {p.options["stream_dtype"] for p in pts} == {"bf16"}
+    with pytest.raises(sweeps.SweepError, match="valid options"):
+        expand(compose_fn, "sweep=ablation", "+sweep.variants.bad={nmu_slots: 1}")
+
+
+def test_system_filter_and_errors(compose_fn):
+    _, pts = expand(compose_fn, "sweep=size", "system=zero3")
+    assert {p.system for p in pts} == {"zero3"} and len(pts) == 5
+    with pytest.raises(sweeps.SweepError, match="known: "):
+        expand(compose_fn, "sweep=size", "sweep.models=[qwen9]")
+    with pytest.raises(sweeps.SweepError, match="micro_batches"):
+        expand(compose_fn, "sweep=smoke", "micro_batches=8")
+    _, pts = expand(compose_fn, "sweep=size", "only=[*72b*,native__*7b*]")
+    assert len(pts) == 6
+
+
+def test_skip_rules(compose_fn):
+    _, pts = expand(compose_fn, "sweep=size")
+    by = {(p.system, p.model): p for p in pts}
+    mt7, mt14 = by[("megatrain", "qwen2.5-7b")], by[("megatrain", "qwen2.5-14b")]
+    est7, est14 = sweeps.host_estimate(mt7, "cuda"), sweeps.host_estimate(mt14, "cuda")
+    avail = 126 * GIB  # the H200 node
+    assert est7["total_bytes"] < avail < est14["total_bytes"]
+    kw = dict(device="cuda", available_host=avail, gpu_total=141 * GIB)
+    assert sweeps.skip_reason(mt7, estimate=est7, **kw) is None
+    reason = sweeps.skip_reason(mt14, estimate=est14, **kw)
+    assert reason.startswith("skipped: engine host estimate") and "GiB" in reason
+    zero3_14 = by[("zero3", "qwen2.5-14b")]
+    assert sweeps.skip_reason(zero3_14, estimate=sweeps.host_estimate(zero3_14, "cuda"), **kw)
+    # all-on-GPU: judged by GPU memory (12 B/param), not by host RAM
+    nat7, nat14 = by[("native", "qwen2.5-7b")], by[("native", "qwen2.5-14b")]
+    assert sweeps.skip_reason(nat7, estimate=None, **kw) is None
+    assert "GPU memory" in sweeps.skip_reason(nat14, estimate=None, **kw)
+    _, hw = expand(compose_fn, "sweep=hardware", "system=native")
+    capped = [p for p in hw if p.hardware["label"] == "RTX-3090-24GB"][0]
+    assert "24.0 GiB of GPU memory" in sweeps.skip_reason(capped, estimate=None, **kw)
+
+
+def test_yaml_mirrors_the_dataclasses():
+    from megatrain.config import EngineConfig
+    from megatrain.spec import PRESETS
+
+    meg = yaml.safe_load((CONF / "system" / "megatrain.yaml").read_text())
+    defaults = dataclasses.asdict(C.MegatrainOptions())
+    assert meg["options"] == defaults
+    engine = dataclasses.asdict(EngineConfig())
+    assert {k: engine[k] for k in defaults} == defaults, "MegatrainOptions defaults drifted from EngineConfig"
+    for name in ("zero3", "fsdp", "gemini", "native", "megatrain"):
+        data = yaml.safe_load((CONF / "system" / f"{name}.yaml").read_text())
+        assert data["name"] == name
+        assert set(data) - {"defaults"} <= {f.name for f in dataclasses.fields(C.SystemConfig)}
+    assert sorted(p.stem for p in (CONF / "model").glob("*.yaml")) == sorted(PRESETS)
+    for name in PRESETS:
+        data = yaml.safe_load((CONF / "model" / f"{name}.yaml").read_text())
+        assert data == {"name": name, "depth": None, "width": 1.0}
+    for f in (CONF / "hardware").glob("*.yaml"):
+        data = yaml.safe_load(f.read_text())
+        assert data["name"] == f.stem
+        assert set(data) == {fl.name for fl in dataclasses.fields(C.HardwareConfig)}
+        if data["emulated"]:
+            assert data["peak_tflops"] == C.peak_tflops_for(data["name"])
+    assert C.peak_tflops_for("NVIDIA H200") == 797.5 and C.peak_tflops_for("Tesla T4") is None
+
+
+def test_override_precheck_lists_valid_keys():
+    msg = C.check_overrides(["sweep=smoke", "stpes=3"])
+    assert "Unknown config key 'stpes'" in msg and "steps" in msg and "warmup_steps" in msg
+    msg = C.check_overrides(["system=megatrain", "system.options.num_slot=1"])
+    assert "num_slots" in msg and "checkpoint_interval" in msg
+    assert C.check_overrides(["sweep=smoke", "steps=3", "model.depth=2", "system=zero3",
+                              "system.options.anything=1", "hydra.run.dir=x", "--cfg", "job"]) is None

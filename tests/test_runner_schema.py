@@ -1,0 +1,130 @@
+"""Results CSV schema, point ids, metrics summary and the initial-weight cache."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from experiments import point as P  # noqa: E402
+from experiments import schema  # noqa: E402
+
+BRIEF_COLUMNS = (
+    "sweep, point, system, variant, status, error, model, family, num_params, num_layers, hidden_size, "
+    "intermediate_size, width_mult, seq_len, batch_size, micro_batches, tokens_per_step, hardware, emulated, "
+    "gpu_mem_cap_gib, steps, warmup_steps, step_time_median_s, step_time_mean_s, tokens_per_s, tflops, mfu, "
+    "peak_tflops, gpu_peak_allocated_gib, gpu_peak_reserved_gib, gpu_peak_nvml_gib, host_peak_rss_gib, "
+    "host_pinned_gib, host_bytes_per_param, host_estimate_gib, loss_first, loss_last, gpu_name, driver, "
+    "torch_version, transformers_version, deepspeed_version, git_sha, host_ram_gib, date, duration_s"
+).split(", ")
+
+
+def test_columns_are_the_fixed_schema():
+    assert schema.COLUMNS == BRIEF_COLUMNS
+    assert set(schema.DESCRIPTIONS) == set(schema.COLUMNS)
+    sample = ROOT / "experiments" / "data" / "sample_results" / "smoke" / "results.csv"
+    if sample.exists():  # the plots' fixtures use the same header
+        assert schema.read_header(sample) == schema.COLUMNS
+
+
+def test_make_row_append_and_read(tmp_path):
+    row = schema.make_row(sweep="s", point="p1", status="ok", num_params=10, tflops=1.23456789, emulated=False,
+                          error="line one\nline two", mfu=float("nan"))
+    assert list(row) == schema.COLUMNS and row["model"] == "" and row["tflops"] == "1.23457"
+    assert row["error"] == "line one line two" and row["mfu"] == "" and row["emulated"] == "False"
+    with pytest.raises(schema.SchemaError, match="unknown result column"):
+        schema.make_row(bogus=1)
+    with pytest.raises(schema.SchemaError, match="unknown status"):
+        schema.make_row(status="fine")
+    csv = tmp_path / "s" / "results.csv"
+    schema.append_row(csv, row)
+    schema.append_row(csv, dict(row, point="p2", status="error", tflops=None))
+    schema.append_row(csv, dict(row, status="timeout"))
+    text = csv.read_text().splitlines()
+    assert text[0] == ",".join(schema.COLUMNS) and len(text) == 4
+    df = schema.read_results(csv)
+    assert list(df.columns) == schema.COLUMNS and len(df) == 3
+    assert df["tflops"].dtype.kind == "f" and df["num_params"].iloc[0] == 10
+    assert df["emulated"].dtype == bool
+    assert schema.point_status(csv) == {"p1": "timeout", "p2": "error"}
+    last = schema.latest(df)
+    assert dict(zip(last["point"], last["status"])) == {"p1": "timeout", "p2": "error"}
+    assert schema.read_results(tmp_path / "missing.csv").empty
+
+
+def test_append_refuses_a_different_header(tmp_path):
+    csv = tmp_path / "results.csv"
+    csv.write_text("sweep,point,status\nx,y,ok\n")
+    with pytest.raises(schema.SchemaError, match="missing: system"):
+        schema.append_row(csv, schema.make_row(sweep="s"))
+    assert csv.read_text() == "sweep,point,status\nx,y,ok\n"  # untouched
+    with pytest.raises(schema.SchemaError):
+        schema.read_results(csv)
+
+
+def test_point_id_convention():
+    pid = schema.point_id("megatrain", "qwen2.5-7b", 28, 1.0, 1024, 8, "default", "H200")
+    assert pid == "megatrain__qwen2.5-7b__L28__w1__s1024__b8__default__H200"
+    assert schema.point_id("zero3", "my model/x", 4, 1.5, 32, 2, "no opt:overlap", "RTX 3090") == \
+        "zero3__my-model-x__L4__w1.5__s32__b2__no-opt-overlap__RTX-3090"
+    assert "__" not in schema.point_id("a__b", "m", 1, 1, 1, 1, "v", "h").split("__", 1)[0] + "x"
+
+
+def test_summarize_uses_measured_steps_and_the_formula():
+    pt = {"batch_size": 2, "seq_len": 8, "num_params": 1000, "spec": {"num_layers": 2, "hidden_size": 4},
+          "hardware": {"peak_tflops": 100.0}}
+    recs = [{"step": 0, "warmup": True, "loss": 9.0, "step_time_s": 50.0}] + \
+           [{"step": i, "warmup": False, "loss": 9.0 - i, "step_time_s": t} for i, t in enumerate([1.0, 3.0, 2.0], 1)]
+    m = P.summarize(recs, pt)
+    flops = 6 * 1000 * 16 + 12 * 2 * 4 * 8 * 16
+    assert m["step_time_median_s"] == 2.0 and m["step_time_mean_s"] == 2.0
+    assert m["tflops"] == pytest.approx(flops / 2.0 / 1e12) and m["mfu"] == pytest.approx(m["tflops"] / 100)
+    assert m["tokens_per_s"] == 8.0 and m["loss_first"] == 9.0 and m["loss_last"] == 6.0
+    assert "tflops" not in P.summarize(recs[:1], pt)
+
+
+def test_init_cache_is_written_once_and_shared(tmp_path):
+    from megatrain.spec import PRESETS
+
+    spec = PRESETS["tiny-qwen2"].to_dict()
+    cache = tmp_path / "cache"
+    logs = []
+    d1 = P.ensure_init_dir(spec, 0, cache, log=logs.append)
+    assert P.init_complete(d1) and (cache / ".gitignore").read_text().strip().endswith("*")
+    weights = P.init_paths(spec, 0, cache)[0]
+    mtime = weights.stat().st_mtime_ns
+    assert P.ensure_init_dir(spec, 0, cache, log=logs.append) == d1 and any("cached" in m for m in logs)
+    # a longer context: own config.json, same weight files (symlinks), nothing rewritten
+    long = dict(spec, max_position_embeddings=4096)
+    d2 = P.ensure_init_dir(long, 0, cache, log=logs.append)
+    assert d2 != d1 and P.init_paths(long, 0, cache)[0] == weights
+    assert json.loads((d2 / "config.json").read_text())["max_position_embeddings"] == 4096
+    shard = next(d2.glob("*.safetensors"))
+    assert shard.is_symlink() and shard.resolve().parent == weights.resolve()
+    assert len(list((cache / "weights").iterdir())) == 1 and weights.stat().st_mtime_ns >= mtime
+    # another seed or shape: other weights
+    assert P.init_paths(spec, 1, cache)[0] != weights
+    assert P.init_paths(dict(spec, num_layers=2), 0, cache)[0] != weights
+    # the systems load it like any HF folder
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(str(d2)).max_position_embeddings == 4096
+    # a broken link (evicted weights) makes the init dir incomplete again
+    for f in weights.glob("*.safetensors"):
+        os.remove(f)
+    assert not P.init_complete(d2)
+
+
+def test_factory_loading(tmp_path):
+    f = tmp_path / "fac.py"
+    f.write_text("def make(name, **kw):\n    return (name, kw)\ndef plain(**kw):\n    return kw\n")
+    assert P.load_callable(f"{f}:make")("x", a=1) == ("x", {"a": 1})
+    assert P._accepts(P.load_callable(f"{f}:make"), "name") and not P._accepts(P.load_callable(f"{f}:plain"), "name")
+    assert P.load_callable("experiments.schema:point_id") is schema.point_id
+    with pytest.raises(ValueError, match="factory must look like"):
+        P.load_callable("nocolon")
