@@ -23,7 +23,7 @@ from .common import (COMMON_OPTIONS, BaselineSystem, CausalLMLoss, build_guarded
 
 OPTIONS = dict(
     COMMON_OPTIONS,
-    reshard_after_forward=True,  # free each layer's gathered bf16 weights after its forward (ZeRO-3)
+    reshard_after_forward=True,  # free each decoder layer's gathered weights after its forward (ZeRO-3)
     cpu_offload=None,  # None: on for CUDA; the CPU path never offloads
     optimizer="auto",  # "auto" (fused CPU AdamW if it runs on the DTensor params, else foreach), "fused", "foreach"
 )
@@ -74,7 +74,7 @@ class FSDPSystem(BaselineSystem):
         backend = ("cpu:gloo,cuda:nccl" if offload else "nccl") if on_cuda else "gloo"
         self._owns_process_group = ensure_process_group(backend, self.device)
         mesh = init_device_mesh(self.device.type, (1,))
-        kwargs = {"mesh": mesh, "reshard_after_forward": bool(opts["reshard_after_forward"])}
+        kwargs = {"mesh": mesh}
         compute = torch.float32
         if on_cuda and dtype != torch.float32:
             compute = dtype
@@ -87,8 +87,11 @@ class FSDPSystem(BaselineSystem):
             enable_activation_checkpointing(lm)
         model = CausalLMLoss(lm, opts["loss_chunk_tokens"])
         for layer in lm.model.layers:
-            fully_shard(layer, **kwargs)
-        fully_shard(model, **kwargs)  # root: embedding, final norm, LM head (tied or not), rotary buffers
+            fully_shard(layer, reshard_after_forward=bool(opts["reshard_after_forward"]), **kwargs)
+        # Root: embedding, final norm, LM head (tied or not), rotary buffers. reshard_after_forward left at
+        # its default, under which FSDP2 keeps the root gathered from forward into backward (its weights
+        # are needed again at once); passing True would free and re-gather them every step.
+        fully_shard(model, **kwargs)
         self.model = model
 
         params = list(model.parameters())
