@@ -52,7 +52,7 @@ def _schema_columns() -> tuple[list[str], str]:
 
 COLUMNS, COLUMNS_SOURCE = _schema_columns()
 
-SWEEPS = ("smoke", "size", "depth", "width", "context", "hardware", "ablation", "tokens")
+SWEEPS = ("smoke", "baselines", "size", "depth", "width", "context", "hardware", "ablation", "tokens")
 SYSTEMS = ("megatrain", "zero3", "fsdp", "gemini", "native")
 STATUSES = ("ok", "skipped", "gpu_oom", "host_oom", "timeout", "error")
 FAILED = ("skipped", "gpu_oom", "host_oom", "timeout", "error")
@@ -462,36 +462,52 @@ def _log2_ticks(ax, values, fmt=fmt_tokens):
 # figures
 # ----------------------------------------------------------------------------------------------
 
-def fig_smoke(df, out, formats):
-    fig, (ax,) = _new_figure(width=6.4, height=4.2)
+def _system_bars(ax, df, ycol: str, ylabel: str, fmt: str = "{:,.0f}"):
+    """One bar per system (value of ``ycol`` of its ok row); failed systems get an × and their status."""
     systems = _ordered_systems(df)
-    xs = range(len(systems))
-    top = _safe_max(df.loc[df["status"] == "ok", "tokens_per_s"])
+    top = _safe_max(df.loc[df["status"] == "ok", ycol])
     for i, s in enumerate(systems):
         label, color, _ = _style(s)
         rows = df[df["system"] == s]
         r = rows[rows["status"] == "ok"]
-        if not r.empty and pd.notna(r["tokens_per_s"].iloc[0]):
-            v = float(r["tokens_per_s"].iloc[0])
+        if not r.empty and pd.notna(r[ycol].iloc[0]):
+            v = float(r[ycol].iloc[0])
             ax.bar(i, v, color=color, width=0.65, zorder=3)
-            ax.annotate(f"{v:,.0f}", (i, v), xytext=(0, 3), textcoords="offset points", ha="center",
+            ax.annotate(fmt.format(v), (i, v), xytext=(0, 3), textcoords="offset points", ha="center",
                         fontsize=8)
         else:
             st = rows["status"].iloc[0] if not rows.empty else "?"
             ax.plot([i], [top * 0.04], marker="x", color=color, ms=10, mew=2.5, zorder=4)
             ax.annotate(STATUS_SHORT.get(st, st), (i, top * 0.04), xytext=(0, 8), textcoords="offset points",
                         ha="center", fontsize=8, color=color, fontweight="bold")
-    ax.set_xticks(list(xs))
+    ax.set_xticks(list(range(len(systems))))
     ax.set_xticklabels([SYSTEM_SHORT.get(s, s) for s in systems])
     ax.set_ylim(0, top * 1.15 if top > 0 else 1)
-    ax.set_ylabel("throughput (tokens/s)")
+    ax.set_ylabel(ylabel)
     ax.set_xlabel("system")
+    ax.grid(axis="x", visible=False)
+
+
+def fig_smoke(df, out, formats):
+    fig, (ax,) = _new_figure(width=6.4, height=4.2)
+    _system_bars(ax, df, "tokens_per_s", "throughput (tokens/s)")
     models = ", ".join(dict.fromkeys(df["model"].astype(str)))
     ax.set_title(f"model {models}; × = failed / not run", fontsize=9.5)
-    ax.grid(axis="x", visible=False)
     return _finish(fig, df, "Smoke test: training throughput per system",
                    "tokens/s = tokens per step / median step time (after warm-up).", out, "smoke_tokens_per_s",
                    formats)
+
+
+def fig_baselines(df, out, formats):
+    """The five systems side by side on one model and batch (issue: baselines table)."""
+    fig, axes = _new_figure(ncols=3, width=13.5, height=4.4)
+    _system_bars(axes[0], df, "tflops", "training throughput (TFLOPS)", "{:.0f}")
+    _system_bars(axes[1], df, "gpu_peak_allocated_gib", "GPU peak allocated (GiB)", "{:.1f}")
+    _system_bars(axes[2], df, "host_peak_rss_gib", "host peak RSS (GiB)", "{:.1f}")
+    models = ", ".join(dict.fromkeys(df["model"].astype(str)))
+    shape = ", ".join(dict.fromkeys(f"{int(b)}×{int(s)}" for b, s in zip(df["batch_size"], df["seq_len"])))
+    axes[0].set_title(f"model {models}, batch {shape}", fontsize=9.5)
+    return _finish(fig, df, "All systems side by side", FORMULA_NOTE, out, "baselines", formats)
 
 
 def fig_size_throughput(df, out, formats):
@@ -809,6 +825,7 @@ def fig_ablation(df, out, formats):
 
 FIGURES = {
     "smoke": [("smoke_tokens_per_s", fig_smoke)],
+    "baselines": [("baselines", fig_baselines)],
     "size": [("size_throughput", fig_size_throughput), ("size_host_memory", fig_size_host_memory)],
     "depth": [("depth", fig_depth)],
     "width": [("width", fig_width)],

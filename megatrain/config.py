@@ -27,7 +27,8 @@ class EngineConfig:
     device: str = "auto"  # "auto" (cuda if available), "cuda", "cuda:N" or "cpu"
     compute_dtype: str = "auto"  # "auto": bf16 on CUDA, fp32 on CPU; weights are cast on the GPU
     # Weight slots on the GPU. 2 = double buffering (load layer i+1 while i computes); 1 = the
-    # synchronous ablation. With checkpoint interval K the pool holds K + num_slots - 1 slots, because a
+    # synchronous ablation: no prefetch at all, each load issued when compute needs it and serialised
+    # after queued compute. With checkpoint interval K the pool holds K + num_slots - 1 slots, because a
     # block's K layers must stay resident from recompute through backward (loaded once, not twice).
     num_slots: int = 2
     # Layers per activation-checkpoint block (K). Boundaries are kept every K layers; 0 = all layers.

@@ -103,7 +103,8 @@ class MegaTrain:
         self._resident_ready = {name: self.streams.event() for name in self.resident}
         self.pool = SlotPool(store=self.store, layer_groups=self.layer_groups, make_template=self._make_template,
                              kinds=self.kinds, num_slots=self.num_pool_slots, device=self.device, dtype=self.dtype,
-                             streams=self.streams, wait_for_update=self.optimizer.wait_group)
+                             streams=self.streams, wait_for_update=self.optimizer.wait_group,
+                             prefetch=cfg.num_slots > 1)
         self.offloader = GradOffloader(self.store, self.streams, n_slabs, max_layer * torch.finfo(self.dtype).bits // 8,
                                        pin)
         self.rotary = arch.build_rotary(self.meta, self.device)

@@ -53,8 +53,11 @@ def bind_template(template: nn.Module, group: Group, buf: torch.Tensor) -> list[
 class SlotPool:
     def __init__(self, *, store: HostStore, layer_groups: list[Group], make_template: Callable[[str], nn.Module],
                  kinds: list[str], num_slots: int, device: torch.device, dtype: torch.dtype, streams: StreamSet,
-                 wait_for_update: Callable[[str], None]):
+                 wait_for_update: Callable[[str], None], prefetch: bool = True):
         self.store = store
+        # prefetch=False is the "no double buffering" ablation: a layer is loaded only when compute asks
+        # for it, and the copy waits for all queued compute, so transfer and compute never overlap.
+        self.prefetch = prefetch
         self.groups = layer_groups
         self.kinds = kinds
         self.streams = streams
@@ -92,7 +95,7 @@ class SlotPool:
 
     def acquire(self, layer: int) -> Slot:
         """The slot holding ``layer`` (the next use in the schedule). Compute waits for its load."""
-        self._pump()
+        self._pump(need=1)
         if not self._issued:
             raise RuntimeError(f"slot pool deadlock: no free slot to load layer {layer} "
                                f"({len(self.slots)} slots is fewer than one checkpoint block needs)")
@@ -108,12 +111,14 @@ class SlotPool:
         slot.refcount -= 1
         if slot.refcount == 0:
             slot.free = self.streams.record(self.streams.compute)
-        self._pump()
+        if self.prefetch:
+            self._pump()
 
     # -- internals ----------------------------------------------------------------------------------
-    def _pump(self) -> None:
-        """Issue loads for upcoming uses while a slot can take them."""
-        while self._queue:
+    def _pump(self, need: int = 0) -> None:
+        """Issue loads for upcoming uses while a slot can take them (without prefetch: only until
+        ``need`` uses are issued)."""
+        while self._queue and (self.prefetch or len(self._issued) < need):
             layer = self._queue[0]
             slot = next((s for s in self.slots if s.layer == layer), None)
             if slot is None:
@@ -153,6 +158,8 @@ class SlotPool:
         with self.streams.use(self.streams.h2d):
             # The slot's previous layer may still be in use by kernels queued on the compute stream.
             self.streams.h2d.wait_event(slot.free)
+            if not self.prefetch:  # ablation: serialise the copy after all compute queued so far
+                self.streams.h2d.wait_stream(self.streams.compute)
             if self.staging is None:
                 slot.buf[:n].copy_(src, non_blocking=True)
             else:

@@ -95,3 +95,20 @@ def test_engine_config_rejects_bad_values():
             EngineConfig(device="cuda").resolved_device()
         else:
             raise RuntimeError("CUDA is not available (skip on GPU machines)")
+
+
+def test_no_double_buffering_means_no_prefetch():
+    """num_slots=1 (the ablation): nothing is loaded ahead of the layer compute asks for."""
+    cfg = EngineConfig(device="cpu", checkpoint_interval=2, num_slots=1)
+    e = MegaTrain.from_config(PRESETS["tiny-llama"].to_hf_config("eager"), cfg, verbose=False)
+    pool = e.pool
+    assert not pool.prefetch and len(pool.slots) == 2
+    pool.begin_step([0, 1, 2, 3])
+    slot = pool.acquire(0)
+    assert pool.loads == 1 and not pool._issued  # layer 1 not loaded ahead although a slot is free
+    pool.release(slot)
+    assert pool.loads == 1
+    for i in (1, 2, 3):
+        pool.release(pool.acquire(i))
+    assert pool.loads == 4
+    e.close()
