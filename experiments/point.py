@@ -394,6 +394,8 @@ def train(pt: dict) -> int:
         system = build_system(pt, pt["init_dir"])
         result["build_s"] = time.time() - t0
         log(f"[point] built {pt['system']} in {result['build_s']:.1f}s")
+        # What the system chose at build time (e.g. which CPU Adam ran), kept with the result.
+        result["system_info"] = json.loads(json.dumps(getattr(system, "info", {}) or {}, default=str))
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         total = pt["warmup_steps"] + pt["steps"]
         vocab = pt["spec"]["vocab_size"]

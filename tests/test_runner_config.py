@@ -15,7 +15,7 @@ from experiments import config as C  # noqa: E402  (registers the schemas)
 from experiments import sweeps  # noqa: E402
 
 CONF = ROOT / "experiments" / "conf"
-SWEEPS = ("smoke", "size", "depth", "width", "context", "hardware", "ablation", "tokens")
+SWEEPS = ("smoke", "baselines", "size", "depth", "width", "context", "hardware", "ablation", "tokens")
 GIB = 2**30
 
 
