@@ -174,7 +174,7 @@ class RunConfig:
     dry_run: bool = False  # list the points (and what a run would do with each) and exit
     # After the sweep: regenerate the figures (plots_dir) and <results_dir>/REPORT.md from all CSVs.
     post: bool = True
-    plots_dir: str = "plots"
+    plots_dir: Optional[str] = None  # None: "plots" beside results_dir (results/ -> plots/)
 
 
 GROUP_SCHEMAS: dict[str, type] = {

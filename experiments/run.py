@@ -181,7 +181,8 @@ def run(cfg) -> dict:
           f"; this run: {summary}; "
           f"{time.time() - t_start:.0f}s; results: {csv_path}", flush=True)
     if cfg.post:
-        _post(Path(cfg.results_dir), Path(cfg.plots_dir))
+        results = Path(cfg.results_dir)
+        _post(results, Path(cfg.plots_dir) if cfg.plots_dir else results.resolve().parent / "plots")
     return counts
 
 

@@ -68,6 +68,9 @@ def test_smoke_sweep_end_to_end(tmp_path, cache):
         assert r["status"] in schema.STATUSES
         assert r["hardware"] == "cpu" and r["torch_version"] and r["git_sha"] and r["date"]
     assert (results / "smoke" / "README.md").read_text().count("6·P·T + 12·L·h·s·T") >= 1
+    # a figure and a report come out of the sweep, beside the results (never into the repo's plots/)
+    assert (tmp_path / "plots" / "smoke_tokens_per_s.png").stat().st_size > 0
+    assert "## Formulas" in (results / "REPORT.md").read_text()
     # no hydra litter
     assert not (ROOT / "outputs").exists() and not (ROOT / ".hydra").exists()
     assert not list(ROOT.glob("*.log"))
@@ -75,6 +78,7 @@ def test_smoke_sweep_end_to_end(tmp_path, cache):
         # the registry has not landed: every row says so, and the sweep still completed
         assert all(r["status"] == "error" and "baselines.registry" in r["error"] for r in rows.values())
         return
+    assert all(r["status"] == "ok" for r in rows.values()), {n: r["error"] for n, r in rows.items()}
     native = rows["native"]
     assert native["status"] == "ok", native["error"]
     assert native["steps"] == 3 and native["warmup_steps"] == 1
