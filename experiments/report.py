@@ -478,9 +478,16 @@ def _sweep_table(sweep: str, df: pd.DataFrame) -> list[str]:
     unit = "tokens/s" if sweep == "smoke" else "TFLOPS"
     lines = [f"### {sweep}", ""]
     df = df.copy()
+    # one column per setup (model, batch, hardware): variants / systems are compared within it
+    setup = df.apply(lambda r: f"{r['model']} {int(float(r['batch_size']))}×{int(float(r['seq_len']))} "
+                     f"{r['hardware']}", axis=1) if len(df) else df["point"]
     if sweep == "ablation":
         rows_key = df["system"].map(lambda s: SYSTEM_SHORT.get(s, s)) + " · " + df["variant"]
-        cols_key, lab = df["point"], str
+        cols_key, lab = setup, str
+        order_cols = list(dict.fromkeys(cols_key))
+    elif sweep == "baselines":
+        rows_key = df["system"].map(lambda s: SYSTEM_SHORT.get(s, s))
+        cols_key, lab = setup, str
         order_cols = list(dict.fromkeys(cols_key))
     else:
         rows_key = df.apply(lambda r: SYSTEM_SHORT.get(r["system"], r["system"]) +
