@@ -25,32 +25,10 @@ import pandas as pd
 # schema
 # ----------------------------------------------------------------------------------------------
 
-_LOCAL_COLUMNS = [
-    "sweep", "point", "system", "variant", "status", "error", "model", "family", "num_params",
-    "num_layers", "hidden_size", "intermediate_size", "width_mult", "seq_len", "batch_size",
-    "micro_batches", "tokens_per_step", "hardware", "emulated", "gpu_mem_cap_gib", "steps",
-    "warmup_steps", "step_time_median_s", "step_time_mean_s", "tokens_per_s", "tflops", "mfu",
-    "peak_tflops", "gpu_peak_allocated_gib", "gpu_peak_reserved_gib", "gpu_peak_nvml_gib",
-    "host_peak_rss_gib", "host_pinned_gib", "host_bytes_per_param", "host_estimate_gib",
-    "loss_first", "loss_last", "gpu_name", "driver", "torch_version", "transformers_version",
-    "deepspeed_version", "git_sha", "host_ram_gib", "date", "duration_s",
-]
+from experiments.schema import COLUMNS  # noqa: E402 - the one column list (no torch import)
 
+COLUMNS_SOURCE = "experiments.schema.COLUMNS"
 
-def _schema_columns() -> tuple[list[str], str]:
-    """The column list of ``experiments.schema`` when importable, else the local copy."""
-    try:
-        from experiments import schema  # noqa: PLC0415
-    except Exception:  # not written yet, or broken: the CSVs alone must be enough
-        return list(_LOCAL_COLUMNS), "local"
-    for name in ("COLUMNS", "CSV_COLUMNS", "RESULT_COLUMNS", "RESULTS_COLUMNS", "FIELDS", "FIELDNAMES"):
-        cols = getattr(schema, name, None)
-        if isinstance(cols, (list, tuple)) and cols and all(isinstance(c, str) for c in cols):
-            return list(cols), f"experiments.schema.{name}"
-    return list(_LOCAL_COLUMNS), "local"
-
-
-COLUMNS, COLUMNS_SOURCE = _schema_columns()
 
 SWEEPS = ("smoke", "baselines", "size", "depth", "width", "context", "hardware", "ablation", "tokens")
 SYSTEMS = ("megatrain", "zero3", "fsdp", "gemini", "native")
@@ -144,13 +122,13 @@ def read_results_csv(path: str | Path) -> pd.DataFrame:
         raise ResultsSchemaError(f"{path}: duplicated column(s) in header: {', '.join(dups)}")
     df = pd.read_csv(path, dtype=str, keep_default_na=False, na_values=[""])
     df.columns = [c.strip() for c in df.columns]
-    for c in _LOCAL_COLUMNS:  # tolerate a schema that differs from the brief's list
+    for c in COLUMNS:
         if c not in df.columns:
             df[c] = pd.NA
     for c in df.columns:
         if c in _STR_COLUMNS:
             df[c] = df[c].fillna("").astype(str).str.strip()
-        elif c in _LOCAL_COLUMNS:
+        elif c in COLUMNS:
             df[c] = pd.to_numeric(df[c], errors="coerce")
     df["emulated"] = df["emulated"].map(_to_bool)
     df.loc[df["variant"] == "", "variant"] = "default"

@@ -636,8 +636,8 @@ def build_report(results_dir="results", claims_path=CLAIMS_PATH, plots_dir: str 
 
 
 def _empty_rows() -> pd.DataFrame:
-    from experiments.plots import _LOCAL_COLUMNS  # noqa: PLC0415
-    return pd.DataFrame(columns=list(_LOCAL_COLUMNS) + ["_sweep", "_params"])
+    from experiments.schema import COLUMNS  # noqa: PLC0415
+    return pd.DataFrame(columns=list(COLUMNS) + ["_sweep", "_params"])
 
 
 def main(argv=None) -> int:
