@@ -455,7 +455,13 @@ class BaselineSystem:
         return stats
 
     def _release(self) -> None:
-        """Drop the system's own objects (engine, model, optimizer); overridden by each adapter."""
+        """Drop the system's own objects: by default a plain torch model + optimizer (+ scheduler);
+        adapters holding framework engines override it."""
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+            optimizer.state.clear()
+        self.model = self.optimizer = self.scheduler = None
 
     def close(self) -> None:
         """Free the system's GPU and pinned memory and its process group; never raises for a cleanup

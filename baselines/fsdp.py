@@ -139,12 +139,6 @@ class FSDPSystem(BaselineSystem):
             out[name] = full.detach().float().cpu().clone()
         return out
 
-    def _release(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.optimizer.state.clear()
-        self.model = self.optimizer = self.scheduler = None
-
 
 def build(**kwargs) -> FSDPSystem:
     return build_guarded(FSDPSystem, FSDPSystem.name, **kwargs)

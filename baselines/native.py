@@ -80,12 +80,6 @@ class NativeSystem(BaselineSystem):
         """HF-named fp32 weights (CPU copies), for parity tests."""
         return {k: v.detach().float().cpu().clone() for k, v in self.model.lm.state_dict().items()}
 
-    def _release(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.optimizer.state.clear()
-        self.model = self.optimizer = self.scheduler = None
-
 
 def build(**kwargs) -> NativeSystem:
     return build_guarded(NativeSystem, NativeSystem.name, **kwargs)
