@@ -1,23 +1,26 @@
-"""Engine configuration (mirrored by the hydra YAML under experiments/conf/system/megatrain.yaml)."""
+"""Engine configuration: plain dataclasses, importable without torch (the runner uses them as its hydra
+schemas). Torch is imported only by the methods that resolve devices and dtypes."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-import torch
-
 from .system import OptimConfig
 
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16}
+_DTYPES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
 
 
-def parse_dtype(value: str | torch.dtype) -> torch.dtype:
+def parse_dtype(value):
+    """"bf16" / "fp32" / ... (or a torch.dtype) -> torch.dtype."""
+    import torch
+
     if isinstance(value, torch.dtype):
         return value
+    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+             "fp16": torch.float16, "float16": torch.float16}
     try:
-        return _DTYPES[value]
+        return table[value]
     except KeyError:
-        raise ValueError(f"unknown dtype {value!r}; use one of {sorted(_DTYPES)}") from None
+        raise ValueError(f"unknown dtype {value!r}; use one of {sorted(table)}") from None
 
 
 @dataclass
@@ -50,6 +53,17 @@ class EngineConfig:
     pin_memory: bool = True
     # Refuse to build unless estimate <= available host RAM - margin.
     host_margin_gib: float = 2.0
+    # Tiered memory: decoder layers that live entirely on the GPU (fp32 master + AdamW m, v, updated by a
+    # fused AdamW on the GPU). "auto": as many as fit after the streaming working set (see
+    # megatrain/placement.py); an integer N: layers 0..N-1 (plus embedding and head) on the GPU; "0": pure
+    # streaming, as in the paper. Given as a string so one type carries both (hydra: gpu_resident=12).
+    gpu_resident: str = "auto"
+    # GPU memory kept free by the placement plan (GiB), on top of its working-set estimate.
+    gpu_margin_gib: float = 6.0
+    # Host AdamW of a layer starts as soon as its gradient is on the host (during the backward), with
+    # clip coefficient 1; if the step's global norm then clips, those updates are undone and redone
+    # exactly. "auto": speculate while the previous step did not clip; "always"; "never".
+    speculate: str = "auto"
     attn_implementation: str = "sdpa"
     seed: int = 0
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -69,8 +83,19 @@ class EngineConfig:
             raise ValueError(f"stream_dtype must be 'fp32' or 'bf16', got {self.stream_dtype!r}")
         if self.loss_chunk_tokens < 1:
             raise ValueError("loss_chunk_tokens must be >= 1")
+        self.gpu_resident = str(self.gpu_resident).strip().lower()
+        if self.gpu_resident != "auto" and not (self.gpu_resident.isdigit()):
+            raise ValueError(f"gpu_resident must be 'auto' or a number of decoder layers >= 0, got {self.gpu_resident!r}")
+        if self.speculate not in ("auto", "always", "never"):
+            raise ValueError(f"speculate must be 'auto', 'always' or 'never', got {self.speculate!r}")
+        if self.gpu_margin_gib < 0:
+            raise ValueError(f"gpu_margin_gib must be >= 0, got {self.gpu_margin_gib}")
+        if self.compute_dtype != "auto" and self.compute_dtype not in _DTYPES:
+            raise ValueError(f"compute_dtype must be 'auto' or one of {list(_DTYPES)}, got {self.compute_dtype!r}")
 
-    def resolved_device(self) -> torch.device:
+    def resolved_device(self):
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dev = torch.device(self.device)
@@ -80,7 +105,9 @@ class EngineConfig:
             raise ValueError(f"device must be cuda or cpu, got {self.device!r}")
         return dev
 
-    def resolved_compute_dtype(self) -> torch.dtype:
+    def resolved_compute_dtype(self):
+        import torch
+
         if self.compute_dtype == "auto":
             return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
         return parse_dtype(self.compute_dtype)
