@@ -64,6 +64,15 @@ class EngineConfig:
     # clip coefficient 1; if the step's global norm then clips, those updates are undone and redone
     # exactly. "auto": speculate while the previous step did not clip; "always"; "never".
     speculate: str = "auto"
+    # Long context. 0 = the model's own max_position_embeddings; N = raise (or lower) it to N positions
+    # (RoPE as the family defines it; any rope_scaling in the config is passed through unchanged).
+    max_position_embeddings: int = 0
+    # Tokens per chunk when recomputing/backpropagating a layer's MLP (bounds the per-layer working set
+    # at long sequence lengths). 0 = "auto" (chunk only when the sequence is long), -1 = never chunk.
+    mlp_chunk_tokens: int = 0
+    # Block-boundary activations: "gpu" (kept on the GPU), "host" (offloaded to pinned host memory on the
+    # D2H stream, prefetched back for the backward) or "auto" (host only when the GPU cannot hold them).
+    boundary_offload: str = "auto"
     attn_implementation: str = "sdpa"
     seed: int = 0
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -88,6 +97,12 @@ class EngineConfig:
             raise ValueError(f"gpu_resident must be 'auto' or a number of decoder layers >= 0, got {self.gpu_resident!r}")
         if self.speculate not in ("auto", "always", "never"):
             raise ValueError(f"speculate must be 'auto', 'always' or 'never', got {self.speculate!r}")
+        if self.boundary_offload not in ("auto", "gpu", "host"):
+            raise ValueError(f"boundary_offload must be 'auto', 'gpu' or 'host', got {self.boundary_offload!r}")
+        if self.max_position_embeddings < 0:
+            raise ValueError(f"max_position_embeddings must be >= 0 (0 = the model's), got {self.max_position_embeddings}")
+        if self.mlp_chunk_tokens < -1:
+            raise ValueError(f"mlp_chunk_tokens must be -1 (never), 0 (auto) or a positive chunk size, got {self.mlp_chunk_tokens}")
         if self.gpu_margin_gib < 0:
             raise ValueError(f"gpu_margin_gib must be >= 0, got {self.gpu_margin_gib}")
         if self.compute_dtype != "auto" and self.compute_dtype not in _DTYPES:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import arch, checkpoint, memory
+from .boundaries import GpuBoundaries
 from .config import EngineConfig
 from .grad_offload import GradOffloader
 from .host_store import HostStore, make_groups, views
@@ -189,7 +190,7 @@ class MegaTrain:
 
     def _forward(self, mbs: list[_MicroBatch]):
         embed_w = self._embed_w = self._resident_weight("embed")[0]
-        boundaries: list[dict[int, torch.Tensor]] = [{} for _ in mbs]
+        boundaries = GpuBoundaries(len(mbs))
         ctx = []
         with torch.no_grad():
             hidden = [F.embedding(mb.ids, embed_w) for mb in mbs]
@@ -199,7 +200,7 @@ class MegaTrain:
             for i in range(self.num_layers):
                 if i % self.block == 0:  # block boundary: the only activations kept for backward
                     for b, h in enumerate(hidden):
-                        boundaries[b][i] = h
+                        boundaries.keep(b, i, h)
                 slot = self.pool.acquire(i)
                 layer = slot.template(self.kinds[i])
                 for b in range(len(mbs)):
@@ -238,7 +239,7 @@ class MegaTrain:
                 masks, pos, pos_emb = ctx[b]
                 inputs, outputs = [], []
                 with torch.enable_grad():  # recompute the block with autograd, one graph per layer
-                    x = boundaries[b].pop(start)
+                    x = boundaries.take(b, start)
                     for i, slot in zip(layers, slots):
                         x_in = x.detach().requires_grad_(True)
                         x = arch.run_layer(slot.template(self.kinds[i]), x_in, masks[self.kinds[i]], pos, pos_emb)
