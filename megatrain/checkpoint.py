@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from . import arch
-from .host_store import Group, HostStore, make_groups, views
+from .store import Group, ModelStore, make_groups, views
 
 SHARD_BYTES = 2 * 2**30
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -78,7 +79,7 @@ def validate_checkpoint_dir(path, groups: list[Group], meta_model=None) -> None:
                     raise ValueError(f"{name}: checkpoint shape {shape} != model shape {tuple(needed[name])}")
 
 
-def load_into(store: HostStore, path, groups: list[Group]) -> None:
+def load_into(store: ModelStore, path, groups: list[Group]) -> None:
     """Copy each tensor from its file into its fp32 master view, one tensor in RAM at a time."""
     from safetensors import safe_open
 
@@ -127,7 +128,7 @@ def _progress(iterable, total: int, desc: str, unit: str = "group", min_total: i
     return tqdm(iterable, total=total, desc=desc, unit=unit, disable=total < min_total, leave=False)
 
 
-def init_into(store: HostStore, meta_model, groups: list[Group], seed: int, device: torch.device) -> None:
+def init_into(store: ModelStore, meta_model, groups: list[Group], seed: int, device: torch.device) -> None:
     for g, tensors in _progress(iter_init(meta_model, groups, seed, device), len(groups), "init weights"):
         for view, t in zip(views(store.master[g.name], g), tensors):
             view.copy_(t)
@@ -161,12 +162,12 @@ def save(engine, path) -> None:
     def weights():
         for g in groups:
             for name, view in zip(g.hf_names, views(store.master[g.name], g)):
-                yield name, view.clone()  # safetensors refuses views sharing one buffer
+                yield name, _host_copy(view)  # safetensors refuses views sharing one buffer
 
     def optim():
         for g in groups:
-            yield f"{g.name}.exp_avg", store.m[g.name]
-            yield f"{g.name}.exp_avg_sq", store.v[g.name]
+            yield f"{g.name}.exp_avg", store.m[g.name].cpu()  # GPU tier: one group in host RAM at a time
+            yield f"{g.name}.exp_avg_sq", store.v[g.name].cpu()
 
     def write(tmp: Path):
         engine.config.save_pretrained(str(tmp))
@@ -192,7 +193,7 @@ def read_engine_state(path):
     return EngineConfig(**cfg), int(state["step"])
 
 
-def load_optimizer_into(store: HostStore, path, groups: list[Group]) -> None:
+def load_optimizer_into(store: ModelStore, path, groups: list[Group]) -> None:
     from safetensors import safe_open
 
     path = Path(path)
@@ -238,22 +239,70 @@ def _write_shards(items, out: Path, prefix: str, index_name: str) -> None:
     (out / index_name).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": wmap}, indent=2))
 
 
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.cpu() if t.device.type != "cpu" else t.clone()
+
+
 def _atomic_dir(out: Path, write) -> None:
-    """Build the folder under a temporary name and swap it in, so a crash never leaves half a save."""
-    out = out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    """Crash-proof save: killed at any moment, ``out`` still holds a complete checkpoint (the previous or
+    the new one).
+
+    The folder is written under a fresh versioned name beside ``out`` (``.NAME.v<ns>-<pid>``), every file
+    and the folder are fsynced, and only then is ``out`` (a relative symlink) atomically repointed at it
+    with ``rename`` of a new link over the old; the previous version is deleted afterwards. Leftovers of
+    saves killed before the switch are removed by the next save. ``out`` being a real folder (a save by
+    an older version of this code) is first moved aside and linked: only that one conversion has a
+    moment where ``out`` does not exist.
+    """
+    out = Path(os.path.abspath(out))
+    parent = out.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    current = os.readlink(out) if out.is_symlink() else None
+    _remove_stale_versions(parent, out.name, keep=current)
+    version = f".{out.name}.v{time.time_ns()}-{os.getpid()}"
+    tmp = parent / version
     tmp.mkdir()
     try:
         write(tmp)
+        _fsync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    if out.exists():
-        out.rename(old)
-    tmp.rename(out)
-    if old.exists():
-        shutil.rmtree(old)
+    if out.exists() and not out.is_symlink():  # legacy real folder: move aside, it becomes "current"
+        current = f".{out.name}.v0-legacy-{os.getpid()}"
+        out.rename(parent / current)
+    link = parent / f".{out.name}.link-{os.getpid()}"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    os.symlink(version, link)
+    os.replace(link, out)  # the atomic switch: before it ``out`` is the old save, after it the new one
+    _fsync_dir(parent)
+    if current and current != version and (parent / current).exists():
+        shutil.rmtree(parent / current, ignore_errors=True)
+
+
+def _remove_stale_versions(parent: Path, name: str, keep: str | None) -> None:
+    """Versions left by saves killed before their switch (never the one ``out`` points to)."""
+    for p in parent.glob(f".{name}.v*"):
+        if p.name != keep:
+            shutil.rmtree(p, ignore_errors=True)
+    for p in parent.glob(f".{name}.link-*"):
+        p.unlink(missing_ok=True)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for f in folder.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

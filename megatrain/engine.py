@@ -6,29 +6,38 @@
 
 One step reads top to bottom (see ``step``): forward through streamed layers keeping block-boundary
 activations, chunked loss, backward block by block with recompute, gradients out to the host, then the
-CPU AdamW (overlapped with the next step when ``overlap_optimizer``).
+optimizer: fused AdamW on the GPU for the GPU tier, a worker thread for the host tier (speculatively
+during the backward when clipping is not expected, overlapping the next forward either way).
 """
 from __future__ import annotations
 
 import copy
+import math
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import arch, checkpoint, memory
+from . import arch, checkpoint, memory, placement
 from .boundaries import GpuBoundaries
 from .config import EngineConfig
-from .grad_offload import GradOffloader
-from .host_store import HostStore, make_groups, views
+from .device_adamw import DeviceAdamW
+from .grad_offload import GradStream
+from .host_adamw import HostAdamW
 from .loss import chunked_lm_loss
-from .optim import HostAdamW, clip_coefficient, global_norm
+from .optim import Optimizers
 from .slots import SlotPool
+from .store import ModelStore, make_groups, views
 from .streams import StreamSet
 from .system import IGNORE_INDEX, MemoryStats, StepResult, labels_from_batch, shift_labels, split_micro_batches
 from .validate import validate_batch
+
+
+# Tokens per micro-batch the placement plan sizes activations for unless told (tokens_per_step=...).
+DEFAULT_PLAN_TOKENS = 8192
 
 
 @dataclass
@@ -46,12 +55,18 @@ class MegaTrain:
 
     # -- construction --------------------------------------------------------------------------------
     def __init__(self, hf_config, cfg: EngineConfig | None = None, *, _weights: str = "init",
-                 _source: str | None = None, verbose: bool = True):
+                 _source: str | None = None, verbose: bool = True, tokens_per_step: int | None = None,
+                 seq_len: int | None = None, tiers: dict[str, str] | None = None):
+        """``tokens_per_step`` / ``seq_len``: the step the placement plan sizes activations for (default:
+        one max-length sequence per micro-batch). ``tiers``: group name -> "gpu" | "host", overriding
+        the plan's choice (advanced; tests use it for mixed placements)."""
         cfg = cfg or EngineConfig()
         arch.check_supported(hf_config)
         hf_config = copy.deepcopy(hf_config)
         hf_config._attn_implementation = cfg.attn_implementation
         hf_config.use_cache = False
+        if cfg.max_position_embeddings:
+            hf_config.max_position_embeddings = cfg.max_position_embeddings
         self.cfg = cfg
         self.config = hf_config
         self.device = cfg.resolved_device()
@@ -72,24 +87,17 @@ class MegaTrain:
         on_gpu = self.device.type == "cuda"
         pin = on_gpu and cfg.pin_memory
 
-        # Gradient buffers: bf16 layer gradients are exact copies of what the GPU produced when there is
-        # one micro-batch; accumulation over micro-batches needs fp32.
-        layer_grad_dtype = self.dtype if (cfg.micro_batches == 1 and self.dtype != torch.float32) else torch.float32
-        grad_dtypes = {g.name: (layer_grad_dtype if g.kind == "layer" else torch.float32) for g in self.groups}
-        max_layer = max(g.numel for g in self.layer_groups)
-        n_slabs = cfg.grad_slabs
-        self.host_estimate = memory.estimate_bytes(
-            [g.numel for g in self.layer_groups], sum(g.numel for g in self.groups if g.kind != "layer"),
-            layer_grad_bytes=torch.finfo(layer_grad_dtype).bits // 8, compute_bytes=torch.finfo(self.dtype).bits // 8,
-            grad_slabs=n_slabs, bf16_shadow=cfg.stream_dtype == "bf16")
+        # Placement: which groups live on the GPU tier, checked against both memories before allocating.
+        self.placement = self._plan(tokens_per_step, seq_len, tiers)
         if verbose:
-            print(f"[megatrain] {memory.format_estimate(self.host_estimate)}", flush=True)
-        memory.check_fits(self.host_estimate, cfg.host_margin_gib)
+            print(f"[megatrain] {self.placement.summary()}", flush=True)
         if _weights == "load":
             checkpoint.validate_checkpoint_dir(_source, self.groups, self.meta)  # before allocating anything
 
-        # Host store (allocates ~12-16 B/param), then weights into it.
-        self.store = HostStore(self.groups, grad_dtypes, torch.bfloat16 if cfg.stream_dtype == "bf16" else None, pin)
+        # The store (12 B/param on each group's tier), then weights into it.
+        devices = {name: (self.device if tier == "gpu" else torch.device("cpu"))
+                   for name, tier in self.placement.tiers.items()}
+        self.store = ModelStore(self.groups, devices, torch.bfloat16 if cfg.stream_dtype == "bf16" else None, pin)
         if _weights == "init":
             checkpoint.init_into(self.store, self.meta, self.groups, cfg.seed, self.device)
         else:
@@ -97,24 +105,48 @@ class MegaTrain:
         for g in self.groups:
             self.store.refresh_shadow(g.name)
 
-        # GPU side: resident embed/final buffers, slots with bound templates, the rotary module.
-        self.optimizer = HostAdamW(self.store, cfg.optim, [g.name for g in self.groups])
+        # Optimizers: one implementation per tier behind one interface (megatrain/optim.py).
+        self.grad_stream = GradStream(self.streams, cfg.grad_slabs, pin=pin)
+        self.host_opt = HostAdamW(self.store, cfg.optim, self.placement.host_names, self.grad_stream,
+                                  background=cfg.overlap_optimizer)
+        self.device_opt = DeviceAdamW(self.store, cfg.optim, self.placement.gpu_names, self.streams)
+        self.optimizer = Optimizers([self.device_opt, self.host_opt], cfg.optim, cfg.speculate)
+
+        # GPU side: resident embed/final compute buffers, slots with bound templates, the rotary module.
         self.resident = {g.name: torch.zeros(g.numel, device=self.device, dtype=self.dtype)
                          for g in self.groups if g.kind != "layer"}
-        self._resident_ready = {name: self.streams.event() for name in self.resident}
         self.pool = SlotPool(store=self.store, layer_groups=self.layer_groups, make_template=self._make_template,
                              kinds=self.kinds, num_slots=self.num_pool_slots, device=self.device, dtype=self.dtype,
                              streams=self.streams, wait_for_update=self.optimizer.wait_group,
                              prefetch=cfg.num_slots > 1)
-        self.offloader = GradOffloader(self.store, self.streams, n_slabs, max_layer * torch.finfo(self.dtype).bits // 8,
-                                       pin)
         self.rotary = arch.build_rotary(self.meta, self.device)
         self.final_norm = copy.deepcopy(self.meta.model.norm)
         # The final norm module computes with a view into the resident "final" buffer (norm is first).
         self.final_norm._parameters["weight"] = nn.Parameter(views(self.resident["final"], self.groups[-1])[0])
         self.step_count = 0
+        self.skipped_steps = 0  # steps whose gradient norm was not finite (weights left untouched)
         self._peak_rss = 0
         self.stats: dict[str, float] = {}  # host-side timings of the last step (see _Timer)
+
+    def _plan(self, tokens_per_step, seq_len, tiers) -> placement.Placement:
+        cfg, c = self.cfg, torch.finfo(self.dtype).bits // 8
+        seq = seq_len or min(self.config.max_position_embeddings, DEFAULT_PLAN_TOKENS)
+        tokens = tokens_per_step or seq * cfg.micro_batches
+        self.planned_tokens_per_micro_batch = max(1, tokens // cfg.micro_batches)
+        hc = self.config
+        shape = placement.StepShape(
+            num_layers=self.num_layers, hidden=hc.hidden_size, ffn=hc.intermediate_size, vocab=hc.vocab_size,
+            micro_batches=cfg.micro_batches, tokens_per_micro_batch=max(1, tokens // cfg.micro_batches),
+            block=self.block, num_pool_slots=self.num_pool_slots, compute_bytes=c,
+            stream_fp32=cfg.stream_dtype == "fp32", bf16_shadow=cfg.stream_dtype == "bf16",
+            slab_bytes_total=cfg.grad_slabs * GradStream.slab_bytes_for() if self.device.type == "cuda" else 0,
+            loss_chunk_tokens=cfg.loss_chunk_tokens)
+        on_gpu = self.device.type == "cuda"
+        gpu_free = torch.cuda.mem_get_info(self.device)[0] if on_gpu else 0
+        return placement.plan({g.name: g.numel for g in self.groups}, shape, setting=cfg.gpu_resident,
+                              on_gpu=on_gpu, gpu_free=gpu_free, host_available=memory.available_host_bytes(),
+                              gpu_margin=int(cfg.gpu_margin_gib * placement.GIB),
+                              host_margin=int(cfg.host_margin_gib * placement.GIB), tiers=tiers)
 
     @classmethod
     def from_config(cls, hf_config, cfg: EngineConfig | None = None, **kw) -> "MegaTrain":
@@ -149,10 +181,16 @@ class MegaTrain:
         token loss of the batch (see megatrain.system) before the update."""
         t0 = time.perf_counter()
         mbs, denom, tokens = self._prepare(batch)  # validates; raises before any state changes
+        if tokens // len(mbs) > self.planned_tokens_per_micro_batch and not getattr(self, "_warned_tokens", False):
+            self._warned_tokens = True
+            warnings.warn(f"this batch has {tokens // len(mbs)} tokens per micro-batch but the placement plan was "
+                          f"made for {self.planned_tokens_per_micro_batch}: activations may not fit the GPU; pass "
+                          f"tokens_per_step= (and seq_len=) when building the engine", RuntimeWarning)
+        before = self._counters()
         try:
+            self.optimizer.begin_step(self.step_count)  # speculate this step? (host tier)
             self.pool.begin_step(self._load_order())
-            self.offloader.begin_step()
-            self._gpu_sqnorms: list[torch.Tensor] = []
+            self._sqnorms: list[torch.Tensor] = []
             timer = _Timer(self.stats, t0)
             hidden, boundaries, ctx = self._forward(mbs)
             timer("forward_s")
@@ -160,26 +198,35 @@ class MegaTrain:
             timer("loss_s")
             self._backward(mbs, boundaries, d_hidden, ctx)
             timer("backward_s")
-            sqnorms = self.offloader.wait()  # all gradients are on the host now
-            if self._gpu_sqnorms:  # one sync for all per-layer norms computed on the GPU
-                sqnorms["gpu"] = float(torch.stack(self._gpu_sqnorms).sum())
-            timer("grad_wait_s")
+            # One sync for every group's squared norm, computed on the GPU while the gradients were there.
+            grad_norm = math.sqrt(float(torch.stack(self._sqnorms).sum()))
+            timer("grad_norm_s")
         except BaseException:
             self._recover()
             raise
-        grad_norm = global_norm(sqnorms)
-        coef = clip_coefficient(grad_norm, self.cfg.optim.max_grad_norm)
         lr = self.cfg.optim.lr_at(self.step_count)
-        self.optimizer.launch(self.step_count, coef, background=self.cfg.overlap_optimizer)
-        self.step_count += 1
+        coef = self.optimizer.finish(self.step_count, grad_norm)  # GPU tier queued, host tier in its thread
+        if coef is None:
+            self.skipped_steps += 1
+            warnings.warn(f"step {self.step_count}: gradient norm is {grad_norm}; step skipped, weights and "
+                          f"optimizer state untouched ({self.skipped_steps} skipped so far)", RuntimeWarning)
+        else:
+            self.step_count += 1
         loss_value = float(loss)  # a CPU-GPU sync point: the step's GPU work is done after this
         timer("optimizer_launch_s")
-        self.stats.update(optimizer_prev_s=self.optimizer.last_update_s, h2d_loads=self.pool.loads,
-                          update_wait_s=self.optimizer.wait_s, slab_wait_s=self.offloader.slab_wait_s,
-                          worker_busy_s=self.offloader.busy_s, step_s=time.perf_counter() - t0)
+        after = self._counters()
+        self.stats.update(speculated=float(self.optimizer.speculating), clipped=float(coef is not None and coef < 1),
+                          skipped=float(coef is None), step_s=time.perf_counter() - t0,
+                          **{k: after[k] - before[k] for k in after})
         self._sample_rss()
         return StepResult(loss=loss_value, tokens=tokens, step_time_s=time.perf_counter() - t0, lr=lr,
                           grad_norm=grad_norm)
+
+    def _counters(self) -> dict[str, float]:
+        """Cumulative counters whose per-step differences go into ``stats``."""
+        h = self.host_opt
+        return dict(h2d_loads=self.pool.loads, optimizer_exposed_s=h.wait_s, host_update_busy_s=h.busy_s,
+                    early_groups=h.early_groups, rollbacks=h.rollbacks, d2h_bytes=self.grad_stream.bytes_d2h)
 
     def _load_order(self) -> list[int]:
         """Every layer use of a step, in order: forward 0..L-1, then per block (last first) ascending."""
@@ -224,14 +271,15 @@ class MegaTrain:
             d_head = dw if d_head is None else d_head + dw
         if self.tied:
             self._embed_grad = d_head  # the embedding backward adds into this, then it goes out once
-            self._send_resident_grad("final", [d_norm])
+            self._resident_grad("final", [d_norm])
         else:
             self._embed_grad = None
-            self._send_resident_grad("final", [d_norm, d_head])
+            self._resident_grad("final", [d_norm, d_head])
         return total, d_hidden
 
     def _backward(self, mbs, boundaries, d_hidden, ctx) -> None:
         last_mb = len(mbs) - 1
+        self._acc: dict[int, torch.Tensor] = {}
         for start in reversed(range(0, self.num_layers, self.block)):
             layers = list(range(start, min(start + self.block, self.num_layers)))
             slots = [self.pool.acquire(i) for i in layers]  # prefetched while the previous block ran
@@ -252,7 +300,7 @@ class MegaTrain:
                     grads = torch.autograd.grad(outputs[j], [inputs[j], *params], grad, allow_unused=True)
                     grad = grads[0]
                     inputs[j] = outputs[j] = None  # this layer's activations are free now
-                    self._send_layer_grad(i, params, grads[1:], accumulate=b > 0, last=b == last_mb)
+                    self._layer_grad(i, params, grads[1:], first=b == 0, last=b == last_mb)
                     if b == last_mb:
                         self.pool.release(slot)  # weights no longer needed: the slot can prefetch
                 d_hidden[b] = grad
@@ -270,37 +318,47 @@ class MegaTrain:
                 keep = ids != self.pad_idx
                 ids, dh = ids[keep], dh[keep]
             grad.index_add_(0, ids, dh)
-        self._send_resident_grad("embed", [grad])
+        self._resident_grad("embed", [grad])
 
     # -- gradients out ------------------------------------------------------------------------------
-    def _send_layer_grad(self, layer: int, params, grads, accumulate: bool, last: bool) -> None:
+    def _layer_grad(self, layer: int, params, grads, first: bool, last: bool) -> None:
+        """Micro-batch ``b``'s gradient of ``layer``: accumulated on the device across micro-batches and
+        handed to the optimizer once, when final."""
         group = self.layer_groups[layer]
-        flat = torch.zeros(group.numel, device=self.device, dtype=self.dtype)
+        acc_dtype = self.dtype if self.cfg.micro_batches == 1 else torch.float32
+        if first:
+            self._acc[layer] = torch.zeros(group.numel, device=self.device, dtype=acc_dtype)
+        flat = self._acc[layer]
         fixed = [g if g is not None else torch.zeros_like(p) for p, g in zip(params, grads)]
-        torch._foreach_copy_(views(flat, group), fixed)
-        self._send(group.name, flat, accumulate, last)
+        if first:
+            torch._foreach_copy_(views(flat, group), fixed)
+        else:
+            torch._foreach_add_(views(flat, group), fixed)
+        if last:
+            del self._acc[layer]
+            # Kept in the compute dtype while it waits (2 B/param on the GPU with bf16).
+            self._grad_ready(group.name, flat.to(self.dtype))
 
-    def _send_resident_grad(self, name: str, grads: list[torch.Tensor]) -> None:
+    def _resident_grad(self, name: str, grads: list[torch.Tensor]) -> None:
         group = self.store.by_name[name]
         flat = torch.zeros(group.numel, device=self.device, dtype=torch.float32)
         torch._foreach_copy_(views(flat, group), grads)
-        self._send(name, flat, accumulate=False, last=True)
+        self._grad_ready(name, flat)
 
-    def _send(self, name: str, flat: torch.Tensor, accumulate: bool, last: bool) -> None:
-        # With one micro-batch the GPU gradient is final: its squared norm is computed on the GPU while
-        # the gradient is still there (no host pass). With accumulation the norm must be of the host sum.
-        on_gpu_norm = self.cfg.micro_batches == 1
-        if on_gpu_norm:
-            self._gpu_sqnorms.append(torch.linalg.vector_norm(flat, dtype=torch.float32).square())
-        self.offloader.offload(name, flat, accumulate=accumulate, last=last and not on_gpu_norm)
+    def _grad_ready(self, name: str, flat: torch.Tensor) -> None:
+        # The group's squared norm on the GPU while the gradient is there (global clipping needs the sum).
+        sqnorm = torch.linalg.vector_norm(flat, dtype=torch.float32).square()
+        self._sqnorms.append(sqnorm)
+        ready = self.streams.record(self.streams.compute)  # the gradient and its norm are written after this
+        self.optimizer.grad_ready(name, flat, sqnorm, ready)
 
     # -- weights in ---------------------------------------------------------------------------------
     def _resident_weight(self, name: str) -> list[torch.Tensor]:
         """Load a resident group (embedding or final norm + head) for this step; returns its views."""
-        self.optimizer.wait_group(name)
+        self.optimizer.wait_group(name)  # host tier: blocks until updated; GPU tier: ordered by the stream
         group = self.store.by_name[name]
         buf = self.resident[name]
-        src = self.store.stream_source[name]
+        src = self.store.stream_source(name)
         with self.streams.use(self.streams.h2d):
             # Last step's kernels that read this buffer were queued on compute before this point.
             self.streams.h2d.wait_stream(self.streams.compute)
@@ -332,14 +390,13 @@ class MegaTrain:
         return mbs, denom, tokens
 
     def _recover(self) -> None:
-        """After a failed step: drain queued work so the engine can be closed or stepped again."""
+        """After a failed step: drain queued work, undo any early (speculative) update of this step, so the
+        engine is as before the step and can be closed or stepped again."""
         self.streams.synchronize()
-        for s in self.pool.slots:
-            s.refcount = 0
-        self.pool._issued.clear()
-        self.pool._queue.clear()
+        self.pool.reset()
         try:
-            self.offloader.wait()
+            self.optimizer.abort(self.step_count)
+            self.optimizer.wait_all()
         except RuntimeError:
             pass
 
@@ -364,15 +421,28 @@ class MegaTrain:
 
     def memory(self) -> MemoryStats:
         self._sample_rss()
+        plan = self.placement
+        host_estimate = sum(plan.host_parts.values())
         stats = MemoryStats(host_rss=self._peak_rss,
-                            host_pinned=self.store.pinned_bytes + self.offloader.pinned_bytes,
-                            extra={"host_estimate_bytes": self.host_estimate["total_bytes"],
-                                   "host_bytes_per_param": self.host_estimate["bytes_per_param"],
+                            host_pinned=self.store.pinned_bytes + self.grad_stream.pinned_bytes,
+                            extra={"host_estimate_bytes": host_estimate,
+                                   "host_bytes_per_param": host_estimate / max(1, plan.params_on("host")),
+                                   "gpu_estimate_bytes": sum(plan.gpu_parts.values()),
+                                   "gpu_resident_layers": plan.gpu_layers, "gpu_tier": plan.gpu_names,
+                                   "skipped_steps": self.skipped_steps,
                                    "pool_slots": self.num_pool_slots, "h2d_loads": self.pool.loads})
         if self.device.type == "cuda":
             stats.gpu_peak_allocated = torch.cuda.max_memory_allocated(self.device)
             stats.gpu_peak_reserved = torch.cuda.max_memory_reserved(self.device)
         return stats
+
+    @property
+    def host_estimate(self) -> dict:
+        """The plan's host-tier prediction: total bytes and bytes per host-tier parameter."""
+        plan = self.placement
+        total, p_host = sum(plan.host_parts.values()), plan.params_on("host")
+        return {"total_bytes": total, "num_params": p_host, "bytes_per_param": total / max(1, p_host),
+                "parts": dict(plan.host_parts)}
 
     def _sample_rss(self) -> None:
         import psutil
@@ -387,7 +457,7 @@ class MegaTrain:
         try:
             self.synchronize()
         finally:
-            self.offloader.close()
+            self.optimizer.close()
             self.store.close()
             self.pool = self.resident = None
             if self.device.type == "cuda":

@@ -1,128 +1,117 @@
-"""Gradients out: GPU flat gradient -> pinned slab (D2H stream) -> host accumulation (worker thread).
+"""Gradients out: a gradient waiting on the GPU -> pinned host slabs (D2H stream), chunk by chunk.
 
-The compute stream never waits for PCIe: a layer's gradient is copied on the D2H stream while the next
-layer's backward runs, and a worker thread waits for each copy, adds it into the host gradient buffer
-and computes its squared norm (for global clipping). Slabs are returned to the pool after use; when all
-are in flight the main thread blocks (back-pressure), bounding pinned memory.
+The host optimizer's worker thread pulls a group's gradient through a small pool of pinned slabs: it
+issues the D2H copies of the next chunks while it updates the current one, so PCIe and the update
+overlap and pinned memory stays bounded (``n_slabs`` x chunk). There is no full host gradient buffer:
+the update reads each chunk straight from its slab.
 
-With the pool off (``n_slabs == 0``, an ablation) each gradient is copied synchronously into freshly
-allocated pageable memory on the compute stream, which is what a naive implementation does.
+With ``n_slabs == 0`` (the "no slab pool" ablation) each chunk is copied synchronously to fresh
+pageable memory, which is what a naive implementation does. On a CPU run the gradient already is in
+host memory and chunks are views.
 """
 from __future__ import annotations
 
-import queue
-import threading
-import time
+from collections import deque
+from typing import Iterator
 
 import torch
 
-from .host_store import HostStore
 from .streams import StreamSet
 
+CHUNK_ELEMS = 1 << 24  # 16M elements: 32 MiB of bf16, 64 MiB of fp32 per slab
 
-class GradOffloader:
-    def __init__(self, store: HostStore, streams: StreamSet, n_slabs: int, slab_bytes: int, pin: bool):
-        self.store = store
+
+class GradStream:
+    """Used from one thread only (the host optimizer's worker)."""
+
+    def __init__(self, streams: StreamSet, n_slabs: int, chunk_elems: int = CHUNK_ELEMS, pin: bool = True):
         self.streams = streams
-        self.slab_bytes = slab_bytes
-        self.slabs = [torch.empty(slab_bytes, dtype=torch.uint8) for _ in range(n_slabs)]
+        self.chunk_elems = chunk_elems
+        self.slab_bytes = self.slab_bytes_for(chunk_elems)  # room for an fp32 chunk (embedding/head grads)
+        self.slabs = [torch.empty(self.slab_bytes, dtype=torch.uint8) for _ in range(n_slabs if streams.cuda else 0)]
+        self.n_slabs = n_slabs
         self._registered = []
         if pin and streams.cuda:
             for s in self.slabs:
                 if int(torch.cuda.cudart().cudaHostRegister(s.data_ptr(), s.numel(), 0)) != 0:
                     raise RuntimeError("cudaHostRegister failed for a gradient slab")
                 self._registered.append(s)
-        self._free: queue.Queue[int] = queue.Queue()
-        for i in range(n_slabs):
-            self._free.put(i)
-        self._work: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self.sqnorms: dict[str, float] = {}
+        self._scalar = torch.zeros(1, dtype=torch.float32)
+        if pin and streams.cuda:
+            self._scalar = self._scalar.pin_memory()
         self.bytes_d2h = 0
-        self.slab_wait_s = 0.0  # cumulative: main thread blocked waiting for a free slab
-        self.busy_s = 0.0  # cumulative: worker time spent accumulating (incl. waiting for copies)
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._worker, name="megatrain-grad-worker", daemon=True)
-        self._thread.start()
+
+    @staticmethod
+    def slab_bytes_for(chunk_elems: int = CHUNK_ELEMS) -> int:
+        return chunk_elems * 4
 
     @property
     def pinned_bytes(self) -> int:
         return sum(s.numel() for s in self._registered)
 
-    def begin_step(self) -> None:
-        self.sqnorms = {}
+    @property
+    def host_bytes(self) -> int:
+        return sum(s.numel() for s in self.slabs)
 
-    def offload(self, group: str, flat: torch.Tensor, accumulate: bool, last: bool) -> None:
-        """Send ``flat`` (GPU, fully written by kernels queued on the compute stream) to the host gradient
-        of ``group``: copied (``accumulate=False``) or added; ``last``: its squared norm is then final."""
-        self._raise_if_failed()
-        step = max(1, self.slab_bytes // flat.element_size()) if self.slabs else flat.numel()
-        chunks = list(range(0, flat.numel(), step))
-        for start in chunks:
-            piece = flat[start:start + step]
-            item = dict(group=group, start=start, accumulate=accumulate, last=last)
-            if self.slabs:
-                t0 = time.perf_counter()
-                idx = self._free.get()  # back-pressure: wait for the worker to return a slab
-                self.slab_wait_s += time.perf_counter() - t0
-                slab = self.slabs[idx][:piece.numel() * piece.element_size()].view(piece.dtype)
-                grads_done = self.streams.record(self.streams.compute)
-                with self.streams.use(self.streams.d2h):
-                    # The gradient kernels on the compute stream must finish before the copy reads.
-                    self.streams.d2h.wait_event(grads_done)
-                    slab.copy_(piece, non_blocking=True)
-                    # ``flat`` was allocated on the compute stream; keep its memory from being reused
-                    # until this D2H copy has read it.
-                    self.streams.keep_alive(flat, self.streams.d2h)
-                    item.update(slab=idx, data=slab, copied=self.streams.record(self.streams.d2h))
-            else:
-                item.update(slab=None, data=piece.to("cpu"), copied=None)  # synchronous, pageable
+    def scalar(self, value: torch.Tensor, ready) -> float:
+        """A 0-dim device tensor's value on the host, without waiting for unrelated compute work."""
+        if not self.streams.cuda:
+            return float(value)
+        with self.streams.use(self.streams.d2h):
+            # Only the kernels up to ``ready`` (the gradient and its norm) must be done; a plain .item()
+            # would run on the default stream and wait for everything queued on compute since.
+            self.streams.d2h.wait_event(ready)
+            self._scalar.copy_(value.reshape(1), non_blocking=True)
+            done = self.streams.record(self.streams.d2h)
+        done.synchronize()  # this worker thread waits for the 4-byte copy, nobody else does
+        return float(self._scalar[0])
+
+    def chunks(self, flat: torch.Tensor, ready) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield (start, host tensor) for consecutive chunks of ``flat``. A yielded tensor is valid until
+        the next one is requested (its slab is then reused)."""
+        n, step = flat.numel(), self.chunk_elems
+        starts = range(0, n, step)
+        if flat.device.type == "cpu":
+            for s in starts:
+                yield s, flat[s:s + step]
+            return
+        if not self.slabs:  # ablation: synchronous, pageable
+            ready.synchronize()
+            for s in starts:
+                piece = flat[s:s + step].to("cpu")
+                self.bytes_d2h += piece.numel() * piece.element_size()
+                yield s, piece
+            return
+        d2h = self.streams.d2h
+        with self.streams.use(d2h):
+            d2h.wait_event(ready)  # the gradient's kernels (queued on compute) must finish before any copy
+        free = deque(self.slabs)
+        pending: deque = deque()
+        todo = deque(starts)
+
+        def issue():
+            s = todo.popleft()
+            piece = flat[s:s + step]
+            slab = free.popleft()
+            view = slab[:piece.numel() * piece.element_size()].view(piece.dtype)
+            with self.streams.use(d2h):
+                view.copy_(piece, non_blocking=True)
+                copied = self.streams.record(d2h)
             self.bytes_d2h += piece.numel() * piece.element_size()
-            self._work.put(item)
+            pending.append((s, view, copied, slab))
 
-    def wait(self) -> dict[str, float]:
-        """Block until every gradient is on the host; return the squared norms per group."""
-        self._work.join()
-        self._raise_if_failed()
-        return dict(self.sqnorms)
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise RuntimeError("gradient offload worker failed") from err
-
-    def _worker(self) -> None:
-        while True:
-            item = self._work.get()
-            if item is None:
-                self._work.task_done()
-                return
-            t0 = time.perf_counter()
-            try:
-                if item["copied"] is not None:
-                    item["copied"].synchronize()  # the D2H copy into the slab has landed
-                src = item["data"]
-                dst = self.store.grad[item["group"]][item["start"]:item["start"] + src.numel()]
-                if item["accumulate"]:
-                    dst.add_(src)
-                else:
-                    dst.copy_(src)
-                if item["last"]:
-                    sq = float(torch.linalg.vector_norm(dst, dtype=torch.float32).double() ** 2)
-                    with self._lock:
-                        self.sqnorms[item["group"]] = self.sqnorms.get(item["group"], 0.0) + sq
-            except BaseException as exc:  # surfaced on the main thread at the next offload/wait
-                self._error = exc
-            finally:
-                self.busy_s += time.perf_counter() - t0
-                if item["slab"] is not None:
-                    self._free.put(item["slab"])
-                self._work.task_done()
+        while todo and free:
+            issue()
+        while pending:
+            s, view, copied, slab = pending.popleft()
+            copied.synchronize()  # this chunk has landed in its slab
+            yield s, view
+            free.append(slab)  # the consumer is done with it
+            if todo:
+                issue()
+        # Every copy that read ``flat`` has completed: the caller may drop the GPU gradient now.
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            self._work.put(None)
-            self._thread.join(timeout=30)
         for s in self._registered:
             torch.cuda.cudart().cudaHostUnregister(s.data_ptr())
         self._registered.clear()

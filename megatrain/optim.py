@@ -1,21 +1,40 @@
-"""AdamW on the CPU over the host store's flat fp32 tensors, one fused call per group.
+"""AdamW for both tiers behind one interface, and the math they share.
 
-The update of step n can run in a background thread while step n+1 starts: groups are updated in the
-order the next forward needs them (embed, layer 0..L-1, final) and each sets an event; the next step's
-load of a group waits for that group's event only (pipelined update -> forward).
+A step's optimizer work is driven by the engine through ``Optimizers``:
+
+    begin_step(step)                        the speculation decision for this step
+    grad_ready(name, flat, sqnorm, ready)   a group's final gradient exists on the GPU (backward order)
+    finish(step, grad_norm)                 the global norm is known: clip coefficient, or skip if not finite
+    wait_group(name)                        before a group's weights are read again (next forward)
+
+Each group belongs to one implementation (its tier): ``DeviceAdamW`` (GPU tier, megatrain/device_adamw.py)
+updates after the norm with a fused kernel on the device; ``HostAdamW`` (host tier, megatrain/host_adamw.py)
+updates in a worker thread, speculatively during the backward when the policy allows.
 """
 from __future__ import annotations
 
 import math
-import threading
-import time
+from typing import Protocol
 
 import torch
 
-from .host_store import HostStore
 from .system import OptimConfig
 
-CHUNK = 1 << 22  # elements per fused AdamW call (16 MiB of fp32)
+
+class GroupOptimizer(Protocol):
+    names: list[str]
+
+    def begin_step(self, step: int, speculate: bool) -> None: ...
+
+    def grad_ready(self, name: str, flat: torch.Tensor, sqnorm: torch.Tensor, ready) -> None: ...
+
+    def finish(self, step: int, coef: float | None) -> None: ...
+
+    def wait_group(self, name: str): ...  # returns a device event the next load must wait on, or None
+
+    def wait_all(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
@@ -25,83 +44,110 @@ def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
     return min(1.0, max_norm / (total_norm + 1e-6))
 
 
-class HostAdamW:
-    def __init__(self, store: HostStore, cfg: OptimConfig, order: list[str]):
-        self.store = store
-        self.cfg = cfg
-        self.order = order
-        self._done = {name: threading.Event() for name in order}
-        for ev in self._done.values():
-            ev.set()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self.last_update_s = 0.0
-        self.wait_s = 0.0  # cumulative time callers spent blocked in wait_group
-
-    def launch(self, step: int, clip_coef: float, background: bool) -> None:
-        """Update every group with the LR of 0-based ``step``; returns at once if ``background``."""
-        self.wait_all()
-        for ev in self._done.values():
-            ev.clear()
-        lr = self.cfg.lr_at(step)
-        if background:
-            self._thread = threading.Thread(target=self._run, args=(lr, clip_coef), name="megatrain-adamw",
-                                            daemon=True)
-            self._thread.start()
-        else:
-            self._run(lr, clip_coef)
-            self._raise_if_failed()
-
-    def wait_group(self, name: str) -> None:
-        """Block until ``name``'s update of the last launched step is done."""
-        if not self._done[name].is_set():
-            t0 = time.perf_counter()
-            self._done[name].wait()
-            self.wait_s += time.perf_counter() - t0
-        self._raise_if_failed()
-
-    def wait_all(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        self._raise_if_failed()
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise RuntimeError("CPU optimizer failed") from err
-
-    def _run(self, lr: float, clip_coef: float) -> None:
-        t0 = time.perf_counter()
-        try:
-            for name in self.order:
-                self._update(name, lr, clip_coef)
-                self.store.refresh_shadow(name)
-                self._done[name].set()
-        except BaseException as exc:
-            self._error = exc
-        finally:
-            for ev in self._done.values():  # never leave a waiter hanging; the error is re-raised
-                ev.set()
-            self.last_update_s = time.perf_counter() - t0
-
-    def _update(self, name: str, lr: float, clip_coef: float) -> None:
-        st = self.store
-        step = st.steps[name]
-        step.add_(1)  # the fused kernel expects the already-incremented count (as torch.optim does)
-        b1, b2 = self.cfg.betas
-        # Clipping folded into the kernel: it divides the gradient by grad_scale (no extra pass).
-        scale = None if clip_coef == 1.0 else torch.tensor(1.0 / clip_coef, dtype=torch.float32)
-        p, g, m, v = st.master[name], st.grad[name], st.m[name], st.v[name]
-        # Chunks that stay in cache: a bf16 gradient is widened one chunk at a time, never as a whole.
-        for s in range(0, p.numel(), CHUNK):
-            gs = g[s:s + CHUNK]
-            if gs.dtype != torch.float32:
-                gs = gs.float()
-            torch._fused_adamw_([p[s:s + CHUNK]], [gs], [m[s:s + CHUNK]], [v[s:s + CHUNK]], [], [step], lr=lr,
-                                beta1=b1, beta2=b2, weight_decay=self.cfg.weight_decay, eps=self.cfg.eps,
-                                amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
-
-
 def global_norm(sqnorms: dict[str, float]) -> float:
     return math.sqrt(sum(sqnorms.values()))
+
+
+def adamw_(p, g, m, v, step_t, lr: float, cfg: OptimConfig, grad_scale=None) -> None:
+    """One fused AdamW update of flat fp32 ``p, m, v`` with fp32 gradient ``g`` (all on one device).
+    ``step_t`` is the already-incremented step count (as torch.optim passes it); ``grad_scale`` divides
+    the gradient inside the kernel (clipping folded in, no extra pass)."""
+    b1, b2 = cfg.betas
+    torch._fused_adamw_([p], [g], [m], [v], [], [step_t], lr=lr, beta1=b1, beta2=b2,
+                        weight_decay=cfg.weight_decay, eps=cfg.eps, amsgrad=False, maximize=False,
+                        grad_scale=grad_scale, found_inf=None)
+
+
+def adamw_undo_(p, g, m, v, step: float, lr: float, cfg: OptimConfig) -> None:
+    """Invert ``adamw_`` (unscaled gradient ``g``, step count ``step`` after the increment), in float64.
+
+    AdamW is invertible given the gradient: p_mid = p + lr/bc1 · m/(sqrt(v)/sqrt(bc2) + eps) undoes the
+    step, p_mid / (1 - lr·wd) the decoupled decay, (m - (1-b1)·g)/b1 and (v - (1-b2)·g²)/b2 the moments.
+    At step 1 the moments were zeros, restored exactly. float64 keeps the rounding of the round trip far
+    below fp32's; the result is the previous state to within fp32 rounding, not bit for bit."""
+    b1, b2 = cfg.betas
+    bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
+    pd, md, vd = p.double(), m.double(), v.double()
+    denom = vd.sqrt().div_(math.sqrt(bc2)).add_(cfg.eps)
+    pd.addcdiv_(md, denom, value=lr / bc1)
+    if cfg.weight_decay:
+        pd.div_(1 - lr * cfg.weight_decay)
+    p.copy_(pd)
+    if step <= 1:
+        m.zero_()
+        v.zero_()
+        return
+    gd = g.double()
+    m_old = (md - gd * (1 - b1)).div_(b1)
+    v_old = vd.addcmul(gd, gd, value=-(1 - b2)).div_(b2)
+    # Elements whose moments were zero (e.g. embedding rows never seen before) come back as rounding
+    # residue of the fp32 update; a residue in m over a ~0 v would turn into an lr-sized step later, so
+    # moments indistinguishable from zero at fp32 precision (both below 2^-18 of the new ones) are zero.
+    zero = (v_old.abs() <= vd * 2.0**-18) & (m_old.abs() <= md.abs() * 2.0**-18)
+    m.copy_(m_old.masked_fill_(zero, 0.0))
+    v.copy_(v_old.masked_fill_(zero, 0.0).clamp_(min=0))
+
+
+class SpeculationPolicy:
+    """Whether the host tier updates early (clip coefficient 1) this step. Speculation pays only when
+    clipping does not fire: "auto" speculates while the previous step did not clip (never on the first
+    step, whose norm is unknown); with clipping off it always speculates (only a non-finite norm can
+    undo it)."""
+
+    def __init__(self, mode: str, max_norm: float | None):
+        self.mode, self.max_norm = mode, max_norm
+        self.prev_clipped: bool | None = None
+
+    def decide(self) -> bool:
+        if self.mode != "auto":
+            return self.mode == "always"
+        if self.max_norm is None or self.max_norm <= 0:
+            return True
+        return self.prev_clipped is False
+
+    def observe(self, grad_norm: float) -> None:
+        self.prev_clipped = not math.isfinite(grad_norm) or clip_coefficient(grad_norm, self.max_norm) < 1.0
+
+
+class Optimizers:
+    """Routes each group's gradient to its tier's optimizer and turns the global norm into one clip
+    coefficient for all of them (or a skipped step when it is not finite)."""
+
+    def __init__(self, impls: list[GroupOptimizer], cfg: OptimConfig, speculate: str):
+        self.impls = impls
+        self.cfg = cfg
+        self.by_group = {name: impl for impl in impls for name in impl.names}
+        self.policy = SpeculationPolicy(speculate, cfg.max_grad_norm)
+        self.speculating = False
+
+    def begin_step(self, step: int) -> None:
+        self.speculating = self.policy.decide()
+        for impl in self.impls:
+            impl.begin_step(step, self.speculating)
+
+    def grad_ready(self, name: str, flat: torch.Tensor, sqnorm: torch.Tensor, ready) -> None:
+        self.by_group[name].grad_ready(name, flat, sqnorm, ready)
+
+    def finish(self, step: int, grad_norm: float) -> float | None:
+        """Apply the step's update everywhere; returns the clip coefficient, None if the step is skipped."""
+        coef = clip_coefficient(grad_norm, self.cfg.max_grad_norm) if math.isfinite(grad_norm) else None
+        self.policy.observe(grad_norm)
+        for impl in self.impls:
+            impl.finish(step, coef)
+        return coef
+
+    def abort(self, step: int) -> None:
+        """A step failed part-way: undo whatever was applied early, as for a skipped step."""
+        for impl in self.impls:
+            impl.finish(step, None)
+
+    def wait_group(self, name: str):
+        return self.by_group[name].wait_group(name)
+
+    def wait_all(self) -> None:
+        for impl in self.impls:
+            impl.wait_all()
+
+    def close(self) -> None:
+        for impl in self.impls:
+            impl.close()

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .host_store import Group, HostStore, views
+from .store import Group, ModelStore, views
 from .streams import StreamSet
 
 
@@ -51,9 +51,9 @@ def bind_template(template: nn.Module, group: Group, buf: torch.Tensor) -> list[
 
 
 class SlotPool:
-    def __init__(self, *, store: HostStore, layer_groups: list[Group], make_template: Callable[[str], nn.Module],
+    def __init__(self, *, store: ModelStore, layer_groups: list[Group], make_template: Callable[[str], nn.Module],
                  kinds: list[str], num_slots: int, device: torch.device, dtype: torch.dtype, streams: StreamSet,
-                 wait_for_update: Callable[[str], None], prefetch: bool = True):
+                 wait_for_update: Callable[[str], object], prefetch: bool = True):
         self.store = store
         # prefetch=False is the "no double buffering" ablation: a layer is loaded only when compute asks
         # for it, and the copy waits for all queued compute, so transfer and compute never overlap.
@@ -75,9 +75,11 @@ class SlotPool:
                 tmpl = make_template(kind)
                 slot.params[kind] = bind_template(tmpl, layer_groups[0], slot.buf)
                 slot.templates[kind] = tmpl
-        src_dtype = next(iter(store.stream_source.values())).dtype
-        # One fp32 staging buffer shared by all loads when the stream dtype differs from the compute
+        # One staging buffer shared by all host-tier loads when the stream dtype differs from the compute
         # dtype: the copy and the cast are both on the H2D stream, so stream order makes reuse safe.
+        # GPU-tier layers need none: their fp32 master is cast into the slot directly.
+        host_srcs = [store.stream_source(g.name) for g in layer_groups if store.stream_source(g.name).device != device]
+        src_dtype = host_srcs[0].dtype if host_srcs else dtype
         self.staging = torch.empty(numel, device=device, dtype=src_dtype) if src_dtype != dtype else None
         self.loads = 0  # bulk H2D copies issued (reused slots don't count)
         self._queue: deque[int] = deque()
@@ -92,6 +94,14 @@ class SlotPool:
         for s in self.slots:
             s.layer = None
         self._queue = deque(order)
+
+    def reset(self) -> None:
+        """Forget the current step's schedule (after a failed step, once the device is drained)."""
+        for s in self.slots:
+            s.refcount = 0
+            s.layer = None
+        self._issued.clear()
+        self._queue.clear()
 
     def acquire(self, layer: int) -> Slot:
         """The slot holding ``layer`` (the next use in the schedule). Compute waits for its load."""
@@ -150,18 +160,21 @@ class SlotPool:
 
     def _load(self, slot: Slot, layer: int) -> None:
         group = self.groups[layer]
-        # Host side: with the overlapped optimizer, layer ``layer``'s update of the previous step may
-        # still be running on the CPU; its weights must be final before they cross PCIe.
-        self.wait_for_update(group.name)
-        src = self.store.stream_source[group.name]
+        # Host tier: with the overlapped optimizer, layer ``layer``'s update of the previous step may still
+        # be running on the CPU; this blocks until its weights are final, before they cross PCIe.
+        # GPU tier: the update is queued on the compute stream; we get its event to order the cast after it.
+        updated = self.wait_for_update(group.name)
+        src = self.store.stream_source(group.name)
         n = group.numel
         with self.streams.use(self.streams.h2d):
             # The slot's previous layer may still be in use by kernels queued on the compute stream.
             self.streams.h2d.wait_event(slot.free)
+            if updated is not None:  # the GPU-tier master must be updated before it is cast into the slot
+                self.streams.h2d.wait_event(updated)
             if not self.prefetch:  # ablation: serialise the copy after all compute queued so far
                 self.streams.h2d.wait_stream(self.streams.compute)
-            if self.staging is None:
-                slot.buf[:n].copy_(src, non_blocking=True)
+            if self.staging is None or src.device == slot.buf.device:
+                slot.buf[:n].copy_(src, non_blocking=True)  # H2D, or the GPU tier's cast on the device
             else:
                 self.staging[:n].copy_(src, non_blocking=True)
                 slot.buf[:n].copy_(self.staging[:n])  # cast on the GPU, ordered after the copy

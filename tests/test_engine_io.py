@@ -132,7 +132,7 @@ def test_model_too_big_for_host_is_refused_with_numbers(monkeypatch):
 
     monkeypatch.setattr(memory, "available_host_bytes", lambda: 2 * 2**30)
     spec = PRESETS["qwen2.5-7b"]  # ~7.6B params: 100+ GiB
-    with pytest.raises(MemoryError, match=r"needs \d+\.\d+ GiB .*bytes/param.*only 2\.00 GiB is available"):
+    with pytest.raises(MemoryError, match=r"host needs \d+\.\d+ GiB but 2\.00 GiB is available"):
         MegaTrain.from_config(spec.to_hf_config(), cfg(), verbose=False)
 
 
@@ -176,5 +176,7 @@ def test_failed_save_leaves_previous_save_intact(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         e.save(tmp_path / "ck")
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == before
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    # Nothing left over but the version "ck" points to (saves are versioned folders behind a symlink).
+    current = os.readlink(tmp_path / "ck")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != current] == []
     e.close()

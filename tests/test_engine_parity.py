@@ -25,19 +25,24 @@ def engine_cfg(**kw):
     return EngineConfig(**base)
 
 
-def run_engine(hf_config, cfg, data):
-    engine = MegaTrain.from_config(hf_config, cfg, verbose=False)
+def run_engine(hf_config, cfg, data, engine_kwargs=None, stats_out=None):
+    engine = MegaTrain.from_config(hf_config, cfg, verbose=False, **(engine_kwargs or {}))
     init = {k: v.clone() for k, v in engine.state_dict().items()}
-    losses = [engine.step(b).loss for b in data]
+    losses = []
+    for b in data:
+        losses.append(engine.step(b).loss)
+        if stats_out is not None:  # per-step counters summed over the run
+            for k, v in engine.stats.items():
+                stats_out[k] = stats_out.get(k, 0) + v
     final = {k: v.clone() for k, v in engine.state_dict().items()}
     engine.close()
     return init, losses, final
 
 
-def assert_parity(hf_config, cfg, data, micro_batches=2):
-    init, losses, final = run_engine(hf_config, cfg, data)
+def assert_parity(hf_config, cfg, data, micro_batches=2, optim=OPTIM, engine_kwargs=None, stats_out=None):
+    init, losses, final = run_engine(hf_config, cfg, data, engine_kwargs, stats_out)
     ref = reference_model(hf_config, init)
-    ref_losses, ref_state = reference_train(ref, data, OPTIM, micro_batches)
+    ref_losses, ref_state = reference_train(ref, data, optim, micro_batches)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0)
     # The losses must actually move, or parity would be vacuous.
     assert abs(losses[-1] - losses[0]) > 1e-3

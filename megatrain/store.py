@@ -1,5 +1,6 @@
-"""Host store: the home of the model. Per group (embedding, each decoder layer, final norm + head) one
-contiguous fp32 master buffer, fp32 AdamW ``m`` and ``v``, and a gradient buffer.
+"""The model's store. Per group (embedding, each decoder layer, final norm + head) one contiguous fp32
+master buffer and fp32 AdamW ``m`` and ``v``, on the group's tier: host RAM (streamed) or the GPU
+(resident, see megatrain/placement.py).
 
 Parameters are views into the flat buffers, so a layer moves to the GPU as ONE bulk copy and the
 optimizer runs ONE fused AdamW call per layer.
@@ -56,31 +57,39 @@ def views(flat: torch.Tensor, group: Group) -> list[torch.Tensor]:
     return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in group.slots]
 
 
-class HostStore:
-    """fp32 master + AdamW m, v + gradient per group, optionally a pinned bf16 shadow of the master.
+class ModelStore:
+    """fp32 master + AdamW m, v + step count per group, each group on its tier's device.
 
-    The master (or the shadow, when streaming bf16) is page-locked with ``cudaHostRegister`` so H2D
-    copies are true DMA (55 GB/s measured vs 18 pageable). We register plain allocations instead of
-    ``pin_memory=True`` because torch's pinned caching allocator rounds each block up to a power of two
-    (up to 2x host memory on big layers).
+    Host-tier groups live in CPU memory; their master (or the bf16 shadow, when streaming bf16) is
+    page-locked with ``cudaHostRegister`` so H2D copies are true DMA (55 GB/s measured vs 18 pageable).
+    We register plain allocations instead of ``pin_memory=True`` because torch's pinned caching allocator
+    rounds each block up to a power of two (up to 2x host memory on big layers).
+    GPU-tier groups live on the compute device: their weights never cross PCIe.
+    There are no gradient buffers here: gradients wait on the GPU until their optimizer consumes them.
     """
 
-    def __init__(self, groups: list[Group], grad_dtypes: dict[str, torch.dtype], shadow_dtype: torch.dtype | None,
+    def __init__(self, groups: list[Group], devices: dict[str, torch.device], shadow_dtype: torch.dtype | None,
                  pin: bool):
         self.groups = groups
         self.by_name = {g.name: g for g in groups}
-        self.master = {g.name: torch.zeros(g.numel, dtype=torch.float32) for g in groups}
-        self.m = {g.name: torch.zeros(g.numel, dtype=torch.float32) for g in groups}
-        self.v = {g.name: torch.zeros(g.numel, dtype=torch.float32) for g in groups}
-        self.grad = {g.name: torch.zeros(g.numel, dtype=grad_dtypes[g.name]) for g in groups}
-        self.shadow = ({g.name: torch.zeros(g.numel, dtype=shadow_dtype) for g in groups}
+        self.devices = dict(devices)
+        dev = self.devices
+        self.master = {g.name: torch.zeros(g.numel, dtype=torch.float32, device=dev[g.name]) for g in groups}
+        self.m = {g.name: torch.zeros(g.numel, dtype=torch.float32, device=dev[g.name]) for g in groups}
+        self.v = {g.name: torch.zeros(g.numel, dtype=torch.float32, device=dev[g.name]) for g in groups}
+        # The bf16 shadow exists only for host-tier groups (GPU-tier weights are cast on the GPU).
+        self.shadow = ({g.name: torch.zeros(g.numel, dtype=shadow_dtype) for g in groups if dev[g.name].type == "cpu"}
                        if shadow_dtype is not None else None)
-        # One optimizer step counter per group (a tensor, as the fused kernel expects).
-        self.steps = {g.name: torch.zeros((), dtype=torch.float32) for g in groups}
+        # One optimizer step counter per group (a tensor on the group's device, as the fused kernels expect).
+        self.steps = {g.name: torch.zeros((), dtype=torch.float32, device=dev[g.name]) for g in groups}
         self._registered: list[torch.Tensor] = []
         if pin:
-            for buf in (self.shadow or self.master).values():
-                self._register(buf)
+            for name in self.host_names:
+                self._register(self.shadow[name] if self.shadow is not None else self.master[name])
+
+    @property
+    def host_names(self) -> list[str]:
+        return [g.name for g in self.groups if self.devices[g.name].type == "cpu"]
 
     def _register(self, t: torch.Tensor) -> None:
         err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
@@ -92,25 +101,33 @@ class HostStore:
     def pinned_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._registered)
 
-    @property
-    def stream_source(self) -> dict[str, torch.Tensor]:
-        """The buffers the H2D stream reads."""
-        return self.shadow if self.shadow is not None else self.master
+    def bytes_on(self, device_type: str) -> int:
+        """Bytes this store allocated on devices of ``device_type`` ("cpu" or "cuda")."""
+        total = 0
+        for table in (self.master, self.m, self.v, self.shadow or {}):
+            total += sum(t.numel() * t.element_size() for t in table.values() if t.device.type == device_type)
+        return total
+
+    def stream_source(self, name: str) -> torch.Tensor:
+        """The buffer a group's compute weights are made from (H2D for host tier, a cast on the GPU)."""
+        if self.shadow is not None and name in self.shadow:
+            return self.shadow[name]
+        return self.master[name]
 
     def refresh_shadow(self, name: str) -> None:
-        if self.shadow is not None:
+        if self.shadow is not None and name in self.shadow:
             self.shadow[name].copy_(self.master[name])
 
     def param_views(self, name: str) -> dict[str, torch.Tensor]:
-        """HF name -> fp32 master view."""
+        """HF name -> fp32 master view (on the group's device)."""
         g = self.by_name[name]
         return dict(zip(g.hf_names, views(self.master[name], g)))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """All master weights as HF-named views (no copy)."""
+        """All master weights as HF-named tensors: views for the host tier, CPU copies for the GPU tier."""
         out = {}
         for g in self.groups:
-            out.update(self.param_views(g.name))
+            out.update({k: (v if v.device.type == "cpu" else v.cpu()) for k, v in self.param_views(g.name).items()})
         return out
 
     def close(self) -> None:

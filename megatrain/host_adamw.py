@@ -1,0 +1,186 @@
+"""AdamW of the host tier: a worker thread updates the fp32 master, m and v in host RAM, reading each
+gradient chunk straight from a pinned slab (megatrain/grad_offload.py).
+
+Exact clipping needs the global norm, known only after the backward. Two schedules, chosen per step by
+``SpeculationPolicy`` (megatrain/optim.py):
+
+* **speculative**: a group is updated with clip coefficient 1 as soon as its gradient exists (during the
+  backward, groups arrive final, L-1 .. 0, embed). At ``finish`` the norm is known: no clipping -> done;
+  clipping -> each early update is undone (AdamW is invertible given the gradient, which still waits on
+  the GPU) and redone with the true coefficient; a non-finite norm -> undone, the step is skipped.
+  A group whose own norm is not finite is never updated early (NaN could not be undone).
+* **after the norm**: all updates run in ``finish``, in the order the next forward needs the groups.
+
+Either way the work runs in the worker thread and the next step's load of a group waits only for that
+group (``wait_group``), so the update overlaps the next forward (and, speculatively, this backward).
+"""
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .grad_offload import GradStream
+from .optim import adamw_, adamw_undo_
+from .store import ModelStore
+from .system import OptimConfig
+
+SUB = 1 << 20  # elements per fused call: the widened fp32 gradient (4 MiB) stays in cache
+
+
+@dataclass
+class _StepState:
+    """One step's gradients and what the worker did with them (each step gets its own)."""
+
+    step: int
+    speculate: bool
+    grads: dict = field(default_factory=dict)  # name -> (flat on GPU, sqnorm on GPU, ready event)
+    early: set = field(default_factory=set)  # groups updated with coefficient 1 (worker-owned)
+    declined: set = field(default_factory=set)  # groups whose own norm was not finite
+
+
+class HostAdamW:
+    def __init__(self, store: ModelStore, cfg: OptimConfig, names: list[str], grads: GradStream,
+                 background: bool = True):
+        self.store, self.cfg, self.names, self.grad_stream = store, cfg, list(names), grads
+        self.background = background
+        self._done = {name: threading.Event() for name in self.names}
+        for ev in self._done.values():
+            ev.set()
+        self._g32 = torch.empty(SUB, dtype=torch.float32)  # widening scratch, reused by every chunk
+        self._tasks: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._cur: _StepState | None = None
+        # Cumulative counters (the engine reports per-step differences).
+        self.wait_s = 0.0  # main thread blocked waiting for an update (exposed optimizer time)
+        self.busy_s = 0.0  # worker time spent updating (incl. waiting for D2H chunks)
+        self.early_groups = 0  # groups queued for an early (speculative) update
+        self.rollbacks = 0  # steps whose early updates are undone (clipping fired or the norm was not finite)
+        self.last_step_busy_s = 0.0
+        self._thread = threading.Thread(target=self._worker, name="megatrain-host-adamw", daemon=True)
+        self._thread.start()
+
+    # -- called by the engine (main thread) ------------------------------------------------------------
+    def begin_step(self, step: int, speculate: bool) -> None:
+        self._raise_if_failed()
+        self._cur = _StepState(step, speculate and bool(self.names))
+
+    def grad_ready(self, name: str, flat: torch.Tensor, sqnorm: torch.Tensor, ready) -> None:
+        st = self._cur
+        st.grads[name] = (flat, sqnorm, ready)
+        if st.speculate:
+            self._done[name].clear()  # the next load of this group must wait for its update
+            self.early_groups += 1  # queued now; applied by the worker unless its own norm is not finite
+            self._tasks.put(("early", st, name))
+
+    def finish(self, step: int, coef: float | None) -> None:
+        st = self._cur
+        # Each group's event is set by the finish task once the group is final for this step (early
+        # updates never set it: a rollback may still rewrite the group).
+        for name in self.names:
+            self._done[name].clear()
+        if st.speculate and st.grads and coef != 1.0:
+            self.rollbacks += 1  # every early update of this step will be undone (and redone if coef)
+        self._tasks.put(("finish", st, coef))
+        if not self.background:
+            self.wait_all()
+
+    def wait_group(self, name: str):
+        """Block until ``name``'s update of the last step is done (host-side: nothing for the device)."""
+        if not self._done[name].is_set():
+            t0 = time.perf_counter()
+            self._done[name].wait()
+            self.wait_s += time.perf_counter() - t0
+        self._raise_if_failed()
+        return None
+
+    def wait_all(self) -> None:
+        t0 = time.perf_counter()
+        self._tasks.join()
+        self.wait_s += time.perf_counter() - t0
+        self._raise_if_failed()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._tasks.put(None)
+            self._thread.join(timeout=60)
+        self.grad_stream.close()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError("host optimizer failed") from err
+
+    # -- worker thread ----------------------------------------------------------------------------------
+    def _worker(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                self._tasks.task_done()
+                return
+            t0 = time.perf_counter()
+            try:
+                if task[0] == "early":
+                    self._early(task[1], task[2])
+                else:
+                    self._finish(task[1], task[2])
+            except BaseException as exc:  # surfaced on the main thread at the next call
+                self._error = exc
+                for ev in self._done.values():  # never leave a waiter hanging
+                    ev.set()
+            finally:
+                dt = time.perf_counter() - t0
+                self.busy_s += dt
+                self._tasks.task_done()
+
+    def _early(self, st: _StepState, name: str) -> None:
+        flat, sqnorm, ready = st.grads[name]
+        if not math.isfinite(self.grad_stream.scalar(sqnorm, ready)):
+            st.declined.add(name)  # never applied: a NaN update could not be undone
+            return
+        self._apply(name, flat, ready, self.cfg.lr_at(st.step), coef=1.0, undo=False, new_step=True)
+        st.early.add(name)
+
+    def _finish(self, st: _StepState, coef: float | None) -> None:
+        lr = self.cfg.lr_at(st.step)
+        for name in self.names:  # the order the next forward needs them
+            flat, _, ready = st.grads.pop(name, (None, None, None))
+            if flat is None:  # an aborted step never produced this gradient
+                self._done[name].set()
+                continue
+            if coef is None:  # skipped step: undo what was applied early, leave the rest untouched
+                if name in st.early:
+                    self._apply(name, flat, ready, lr, coef=None, undo=True, new_step=False)
+                    self.store.steps[name].sub_(1)
+            elif name in st.early:
+                if coef != 1.0:  # undo the coefficient-1 update and redo it clipped, in one pass
+                    self._apply(name, flat, ready, lr, coef=coef, undo=True, new_step=False)
+            else:
+                self._apply(name, flat, ready, lr, coef=coef, undo=False, new_step=True)
+            del flat  # every copy from it has completed: the GPU gradient can be freed
+            self._done[name].set()
+
+    def _apply(self, name: str, flat, ready, lr: float, coef: float | None, undo: bool, new_step: bool) -> None:
+        """Stream ``name``'s gradient through the slabs and, per chunk: optionally undo the coefficient-1
+        update, then (unless ``coef`` is None) apply the update with ``coef``."""
+        st = self.store
+        if new_step:
+            st.steps[name].add_(1)  # the fused kernel expects the already-incremented count
+        step = float(st.steps[name])
+        scale = None if coef in (None, 1.0) else torch.tensor(1.0 / coef, dtype=torch.float32)
+        p, m, v = st.master[name], st.m[name], st.v[name]
+        for start, g in self.grad_stream.chunks(flat, ready):
+            for s in range(0, g.numel(), SUB):
+                gs = g[s:s + SUB]
+                if gs.dtype != torch.float32:  # bf16 from the slab, widened in cache
+                    gs = self._g32[:gs.numel()].copy_(gs)
+                a, b = start + s, start + s + gs.numel()
+                if undo:
+                    adamw_undo_(p[a:b], gs, m[a:b], v[a:b], step, lr, self.cfg)
+                if coef is not None:
+                    adamw_(p[a:b], gs, m[a:b], v[a:b], st.steps[name], lr, self.cfg, scale)
+        st.refresh_shadow(name)

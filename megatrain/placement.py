@@ -1,0 +1,211 @@
+"""Placement plan: which groups live on the GPU tier and which on the host tier, decided before anything
+is allocated.
+
+A group on the **GPU tier** keeps its fp32 master and AdamW m, v on the GPU (12 B/param) and is updated
+there by a fused AdamW after the step's global norm is known; its weights never cross PCIe. A group on
+the **host tier** keeps them in host RAM (12 B/param) and streams as in the paper. Both tiers' gradients
+wait on the GPU until their optimizer consumes them (see megatrain/host_adamw.py), so the GPU always
+holds: the streaming working set (slots, staging, resident embedding/head compute copies), the step's
+activations (megatrain/activations.py), every group's gradient (compute-dtype bytes per layer parameter,
+fp32 for embedding/head), the GPU tier's state and a margin.
+
+Preference order for the GPU tier: embedding, layer 0, layer 1, ..., layer L-1, final norm + head. The
+next step's forward needs the embedding and the first layers first, and with the speculative host update
+their gradients arrive last (the backward runs L-1 .. 0, the embedding gradient is made at the very end),
+so those are the host updates that would otherwise be exposed; the head's gradient arrives first and its
+host update hides behind the whole backward. ``gpu_resident``: "auto" fills the GPU in that order;
+N puts the embedding and layers 0..N-1 there (and the head when N = L); "0" is pure streaming.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import activations
+
+GIB = 2**30
+OVERHEAD_HOST_BYTES = int(1.5 * GIB)  # Python, torch, CUDA context on the host (measured order)
+GPU_TIER_BYTES_PER_PARAM = 12  # fp32 master + m + v
+HOST_TIER_BYTES_PER_PARAM = 12
+
+
+@dataclass
+class StepShape:
+    """What the plan needs to know about a step and the model beyond the group sizes."""
+
+    num_layers: int
+    hidden: int
+    ffn: int
+    vocab: int
+    micro_batches: int
+    tokens_per_micro_batch: int
+    block: int  # checkpoint interval K
+    num_pool_slots: int
+    compute_bytes: int  # 2 for bf16, 4 for fp32
+    stream_fp32: bool  # fp32 master crosses PCIe and is cast on the GPU (needs a staging buffer)
+    bf16_shadow: bool
+    slab_bytes_total: int
+    loss_chunk_tokens: int
+    mlp_chunk_tokens: int = -1
+
+
+@dataclass
+class Placement:
+    tiers: dict[str, str]  # group name -> "gpu" | "host", in group order
+    numels: dict[str, int]
+    gpu_parts: dict[str, int] = field(default_factory=dict)
+    host_parts: dict[str, int] = field(default_factory=dict)
+    gpu_budget: int | None = None  # bytes usable on the GPU (free - margin); None on CPU
+    host_budget: int | None = None
+    setting: str = ""
+
+    @property
+    def gpu_names(self) -> list[str]:
+        return [n for n, t in self.tiers.items() if t == "gpu"]
+
+    @property
+    def host_names(self) -> list[str]:
+        return [n for n, t in self.tiers.items() if t == "host"]
+
+    @property
+    def gpu_layers(self) -> int:
+        return sum(1 for n in self.gpu_names if n.startswith("layer."))
+
+    def params_on(self, tier: str) -> int:
+        return sum(self.numels[n] for n, t in self.tiers.items() if t == tier)
+
+    def state_bytes(self, tier: str) -> int:
+        """fp32 master + m + v bytes the store allocates for ``tier`` (excluding any bf16 shadow)."""
+        return 12 * self.params_on(tier)
+
+    def summary(self) -> str:
+        def names(tier):
+            items = [n for n, t in self.tiers.items() if t == tier]
+            layers = [int(n.split(".")[1]) for n in items if n.startswith("layer.")]
+            parts = [n for n in items if not n.startswith("layer.")]
+            if layers:
+                parts.insert(min(1, len(parts)), f"layers {_ranges(layers)} ({len(layers)})")
+            return " + ".join(parts) or "nothing"
+
+        def gib(parts):
+            return ", ".join(f"{k} {v / GIB:.2f}" for k, v in parts.items() if v)
+
+        lines = [f"placement (gpu_resident={self.setting}): GPU tier: {names('gpu')} = "
+                 f"{self.params_on('gpu') / 1e9:.3f}B params; host tier: {names('host')} = "
+                 f"{self.params_on('host') / 1e9:.3f}B params"]
+        if self.gpu_parts:
+            budget = f" of {self.gpu_budget / GIB:.1f} usable" if self.gpu_budget is not None else ""
+            lines.append(f"  GPU predicted {sum(self.gpu_parts.values()) / GIB:.2f} GiB{budget} (GiB: {gib(self.gpu_parts)})")
+        if self.host_parts:
+            budget = f" of {self.host_budget / GIB:.1f} usable" if self.host_budget is not None else ""
+            lines.append(f"  host predicted {sum(self.host_parts.values()) / GIB:.2f} GiB{budget} (GiB: {gib(self.host_parts)})")
+        return "\n".join(lines)
+
+
+def gpu_fixed_parts(numels: dict[str, int], shape: StepShape, any_gpu_tier: bool, any_host_layer: bool) -> dict[str, int]:
+    """GPU bytes that do not depend on how many groups are resident (beyond whether any are)."""
+    layer_numels = [n for name, n in numels.items() if name.startswith("layer.")]
+    other = sum(n for name, n in numels.items() if not name.startswith("layer."))
+    max_layer = max(layer_numels)
+    c = shape.compute_bytes
+    parts = {
+        "slots": shape.num_pool_slots * max_layer * c,
+        "staging": max_layer * 4 if (any_host_layer and shape.stream_fp32 and c != 4) else 0,
+        "resident_compute": other * c,
+        # Every group's gradient waits on the GPU until the global norm is known (exact clipping).
+        "grads": c * sum(layer_numels) + 4 * other,
+        "grad_accumulators": shape.block * max_layer * 4 if shape.micro_batches > 1 else 0,
+        "update_scratch": max(numels.values()) * 4 if (any_gpu_tier and c != 4) else 0,
+    }
+    parts.update(activations.gpu_working_set(
+        num_layers=shape.num_layers, hidden=shape.hidden, ffn=shape.ffn, vocab=shape.vocab,
+        micro_batches=shape.micro_batches, tokens_per_micro_batch=shape.tokens_per_micro_batch, block=shape.block,
+        compute_bytes=c, loss_chunk_tokens=shape.loss_chunk_tokens, mlp_chunk_tokens=shape.mlp_chunk_tokens))
+    return parts
+
+
+def host_parts_for(numels: dict[str, int], tiers: dict[str, str], shape: StepShape) -> dict[str, int]:
+    p_host = sum(n for name, n in numels.items() if tiers[name] == "host")
+    return {
+        "host_tier_state": HOST_TIER_BYTES_PER_PARAM * p_host,
+        "bf16_shadow": 2 * p_host if shape.bf16_shadow else 0,
+        "grad_slabs": shape.slab_bytes_total if p_host else 0,
+        "overhead": OVERHEAD_HOST_BYTES,
+    }
+
+
+def preference_order(names: list[str]) -> list[str]:
+    """embed, layer 0 .. L-1, final (see module doc for why)."""
+    layers = [n for n in names if n.startswith("layer.")]
+    return [n for n in names if n == "embed"] + layers + [n for n in names if n == "final"]
+
+
+def tiers_for_layers(names: list[str], n: int) -> dict[str, str]:
+    """``gpu_resident = n``: embedding + layers 0..n-1 on the GPU (and the head when every layer is)."""
+    layers = [x for x in names if x.startswith("layer.")]
+    if n > len(layers):
+        raise ValueError(f"gpu_resident={n} but the model has only {len(layers)} decoder layers")
+    gpu = set(layers[:n])
+    if n > 0:
+        gpu.add("embed")
+    if n == len(layers):
+        gpu.add("final")
+    return {x: ("gpu" if x in gpu else "host") for x in names}
+
+
+def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool, gpu_free: int, host_available: int,
+         gpu_margin: int, host_margin: int, tiers: dict[str, str] | None = None) -> Placement:
+    """Decide the tiers (or check the given ``tiers``) and predict both memories. Raises MemoryError with the
+    numbers when the configuration fits neither; nothing has been allocated at that point."""
+    names = list(numels)
+    host_budget = host_available - host_margin
+    gpu_budget = gpu_free - gpu_margin if on_gpu else None
+    if tiers is None:
+        if setting == "auto":
+            tiers = {x: "host" for x in names}
+            if on_gpu:  # greedy in preference order while the GPU budget holds
+                for name in preference_order(names):
+                    trial = dict(tiers, **{name: "gpu"})
+                    if _gpu_total(numels, trial, shape) > gpu_budget:
+                        break
+                    tiers = trial
+        else:
+            tiers = tiers_for_layers(names, int(setting))
+    placement = Placement(tiers=dict(tiers), numels=dict(numels), setting=setting,
+                          gpu_budget=gpu_budget, host_budget=host_budget)
+    placement.gpu_parts = _gpu_parts(numels, tiers, shape)
+    placement.host_parts = host_parts_for(numels, tiers, shape)
+    gpu_total, host_total = sum(placement.gpu_parts.values()), sum(placement.host_parts.values())
+    if not on_gpu:  # both "tiers" share host memory (CPU runs, tests)
+        host_total += gpu_total
+    problems = []
+    if on_gpu and gpu_total > gpu_budget:
+        problems.append(f"GPU needs {gpu_total / GIB:.2f} GiB but {gpu_free / GIB:.2f} GiB is free "
+                        f"(minus a {gpu_margin / GIB:.1f} GiB margin = {gpu_budget / GIB:.2f} GiB)")
+    if host_total > host_budget:
+        problems.append(f"host needs {host_total / GIB:.2f} GiB but {host_available / GIB:.2f} GiB is available "
+                        f"(minus a {host_margin / GIB:.1f} GiB margin = {host_budget / GIB:.2f} GiB)")
+    if problems:
+        raise MemoryError("model does not fit: " + "; ".join(problems) + "\n" + placement.summary())
+    return placement
+
+
+def _gpu_parts(numels, tiers, shape) -> dict[str, int]:
+    any_gpu = any(t == "gpu" for t in tiers.values())
+    any_host_layer = any(t == "host" for n, t in tiers.items() if n.startswith("layer."))
+    parts = {"gpu_tier_state": GPU_TIER_BYTES_PER_PARAM * sum(n for x, n in numels.items() if tiers[x] == "gpu")}
+    parts.update(gpu_fixed_parts(numels, shape, any_gpu, any_host_layer))
+    return parts
+
+
+def _gpu_total(numels, tiers, shape) -> int:
+    return sum(_gpu_parts(numels, tiers, shape).values())
+
+
+def _ranges(xs: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"."""
+    runs, start = [], xs[0]
+    for a, b in zip(xs, xs[1:] + [None]):
+        if b != a + 1:
+            runs.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(runs)
