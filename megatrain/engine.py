@@ -26,6 +26,7 @@ from .host_store import HostStore, make_groups, views
 from .loss import chunked_lm_loss
 from .optim import HostAdamW, clip_coefficient, global_norm
 from .slots import SlotPool
+from .spec import with_positions
 from .streams import StreamSet
 from .system import IGNORE_INDEX, MemoryStats, StepResult, labels_from_batch, shift_labels, split_micro_batches
 from .validate import validate_batch
@@ -50,6 +51,7 @@ class MegaTrain:
         cfg = cfg or EngineConfig()
         arch.check_supported(hf_config)
         hf_config = copy.deepcopy(hf_config)
+        hf_config = with_positions(hf_config, cfg.max_position_embeddings)  # long context: 0 = model's own
         hf_config._attn_implementation = cfg.attn_implementation
         hf_config.use_cache = False
         self.cfg = cfg
@@ -205,7 +207,8 @@ class MegaTrain:
                 layer = slot.template(self.kinds[i])
                 for b in range(len(mbs)):
                     masks, pos, pos_emb = ctx[b]
-                    hidden[b] = arch.run_layer(layer, hidden[b], masks[self.kinds[i]], pos, pos_emb)
+                    hidden[b] = arch.run_layer(layer, hidden[b], masks[self.kinds[i]], pos, pos_emb,
+                                               self.cfg.mlp_chunk_tokens)
                 self.pool.release(slot)
         return hidden, boundaries, ctx
 
@@ -242,7 +245,8 @@ class MegaTrain:
                     x = boundaries.take(b, start)
                     for i, slot in zip(layers, slots):
                         x_in = x.detach().requires_grad_(True)
-                        x = arch.run_layer(slot.template(self.kinds[i]), x_in, masks[self.kinds[i]], pos, pos_emb)
+                        x = arch.run_layer(slot.template(self.kinds[i]), x_in, masks[self.kinds[i]], pos, pos_emb,
+                                           self.cfg.mlp_chunk_tokens)
                         inputs.append(x_in)
                         outputs.append(x)
                 grad = d_hidden[b]
