@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import arch, checkpoint, memory
-from .boundaries import GpuBoundaries
+from .boundaries import HostBuffers, make_boundaries
 from .config import EngineConfig
 from .grad_offload import GradOffloader
 from .host_store import HostStore, make_groups, views
@@ -73,6 +73,7 @@ class MegaTrain:
         self.num_pool_slots = self.block + cfg.num_slots - 1
         on_gpu = self.device.type == "cuda"
         pin = on_gpu and cfg.pin_memory
+        self._boundary_host = HostBuffers(pin)  # host home of offloaded block boundaries, reused every step
 
         # Gradient buffers: bf16 layer gradients are exact copies of what the GPU produced when there is
         # one micro-batch; accumulation over micro-batches needs fp32.
@@ -192,7 +193,8 @@ class MegaTrain:
 
     def _forward(self, mbs: list[_MicroBatch]):
         embed_w = self._embed_w = self._resident_weight("embed")[0]
-        boundaries = GpuBoundaries(len(mbs))
+        boundaries = make_boundaries(self.cfg, self.streams, model_config=self.config, block=self.block, dtype=self.dtype,
+                                     tokens=[mb.ids.numel() for mb in mbs], host=self._boundary_host)
         ctx = []
         with torch.no_grad():
             hidden = [F.embedding(mb.ids, embed_w) for mb in mbs]
@@ -393,7 +395,7 @@ class MegaTrain:
         finally:
             self.offloader.close()
             self.store.close()
-            self.pool = self.resident = None
+            self.pool = self.resident = self._boundary_host = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
