@@ -4,18 +4,20 @@ The forward hands the hidden state entering each checkpoint block to ``keep``; t
 with ``take`` (blocks in reverse order, micro-batches in order within a block). Two homes:
 
 - ``GpuBoundaries``: kept where they were made (the compute device).
-- ``HostBoundaries``: kept on the GPU up to a byte budget, the rest copied to (pinned) host memory on the
-  D2H stream as the forward makes them, and brought back on the H2D stream one ``take`` ahead of the
-  backward, so a block's boundary is on the GPU when its recompute starts. GPU cost beyond the budget: the
-  boundary in use plus the one prefetched. On CPU the streams are no-ops and the copies are plain, so CI
-  runs the same keep/take/prefetch logic.
+- ``HostBoundaries``: the first boundaries the forward makes are copied to (pinned) host memory on the
+  D2H stream while the forward goes on; the last ``on_gpu`` of them (needed first by the backward) stay
+  on the GPU. The backward brings each offloaded one back on the H2D stream one ``take`` ahead, so a
+  block's boundary is on the GPU when its recompute starts. GPU cost of the offloaded ones: the boundary
+  in use plus the one prefetched. On CPU the streams are no-ops and the copies are plain, so CI runs the
+  same keep/take/prefetch logic.
 
 ``make_boundaries`` picks one per step (EngineConfig.boundary_offload):
-  "gpu"  -> GpuBoundaries;  "host" -> HostBoundaries with no GPU budget;
+  "gpu"  -> GpuBoundaries;  "host" -> HostBoundaries offloading every boundary;
   "auto" -> on CUDA: budget = free GPU memory (driver free + cached-but-unused) - the rest of the step's
             activation working set (megatrain.activations, boundaries excluded) - gpu_margin_gib. If every
-            boundary fits in it, GpuBoundaries; else HostBoundaries keeping the first boundaries that fit
-            (less two in flight) on the GPU and spilling the rest. On CPU the "GPU" is host RAM: GpuBoundaries.
+            boundary fits in it, GpuBoundaries; else HostBoundaries keeping as many (the last ones) on the
+            GPU as fit in the budget less two in flight, offloading the rest. On CPU the "GPU" is host RAM:
+            GpuBoundaries.
 """
 from __future__ import annotations
 
@@ -70,11 +72,13 @@ class HostBuffers:
 
 
 class HostBoundaries:
-    """Boundaries beyond ``gpu_budget_bytes`` live in host memory between forward and backward."""
+    """Of the ``total`` boundaries of a step, all but the last ``on_gpu`` live in host memory between
+    forward and backward."""
 
-    def __init__(self, streams, device: torch.device, buffers: HostBuffers, gpu_budget_bytes: int = 0):
+    def __init__(self, streams, device: torch.device, buffers: HostBuffers, total: int, on_gpu: int = 0):
         self.streams, self.device, self.buffers = streams, device, buffers
-        self._gpu_left = gpu_budget_bytes
+        self._to_host = max(0, total - on_gpu)  # the first this many kept go to the host
+        self._kept = 0
         self._on_gpu: dict[tuple[int, int], torch.Tensor] = {}
         self._on_host: dict[tuple[int, int], tuple[int, torch.Tensor, object]] = {}  # key -> (buffer, view, copied)
         self._loaded: dict[tuple[int, int], tuple[torch.Tensor, object]] = {}  # prefetched: key -> (tensor, landed)
@@ -83,11 +87,11 @@ class HostBoundaries:
         self.offloaded_bytes = 0
 
     def keep(self, mb: int, layer: int, hidden: torch.Tensor) -> None:
-        nbytes = hidden.numel() * hidden.element_size()
-        if nbytes <= self._gpu_left:
-            self._gpu_left -= nbytes
+        self._kept += 1
+        if self._kept > self._to_host:
             self._on_gpu[(mb, layer)] = hidden
             return
+        nbytes = hidden.numel() * hidden.element_size()
         s, i = self.streams, self._next_buffer
         self._next_buffer += 1
         host = self.buffers.get(i, hidden)
@@ -106,15 +110,16 @@ class HostBoundaries:
 
     def take(self, mb: int, layer: int) -> torch.Tensor:
         key = (mb, layer)
-        if key in self._on_gpu:
-            return self._on_gpu.pop(key)
         if self._order is None:  # the backward's order: blocks last first, micro-batches in order
-            self._order = sorted(self._on_host, key=lambda k: (-k[1], k[0]))
-        if key not in self._loaded:  # not prefetched: only the first offloaded take of a step
+            self._order = sorted([*self._on_gpu, *self._on_host], key=lambda k: (-k[1], k[0]))
+        if key in self._on_host and key not in self._loaded:  # not prefetched: the backward starts with it
             self._load(key)
         pos = self._order.index(key)
-        if pos + 1 < len(self._order) and self._order[pos + 1] not in self._loaded:
-            self._load(self._order[pos + 1])  # lands while this block recomputes and backpropagates
+        nxt = self._order[pos + 1] if pos + 1 < len(self._order) else None
+        if nxt in self._on_host and nxt not in self._loaded:
+            self._load(nxt)  # lands while this block recomputes and backpropagates
+        if key in self._on_gpu:
+            return self._on_gpu.pop(key)
         tensor, landed = self._loaded.pop(key)
         del self._on_host[key]
         self.streams.compute.wait_event(landed)  # the recompute reads the boundary only once it has landed
@@ -148,17 +153,16 @@ def make_boundaries(cfg, streams, *, model_config, block: int, dtype: torch.dtyp
     mode, device = cfg.boundary_offload, streams.device
     if mode == "gpu" or (mode == "auto" and device.type != "cuda"):
         return GpuBoundaries(len(tokens))
-    budget = 0
+    per = max(tokens) * model_config.hidden_size * (torch.finfo(dtype).bits // 8)  # bytes of the largest
+    total = math.ceil(model_config.num_hidden_layers / block) * len(tokens)
+    on_gpu = 0
     if mode == "auto":
         budget = _gpu_budget(cfg, device, model_config, block, dtype, tokens)
-        c = torch.finfo(dtype).bits // 8
-        per_mb = [t * model_config.hidden_size * c for t in tokens]
-        total = math.ceil(model_config.num_hidden_layers / block) * sum(per_mb)
-        if total <= budget:
+        if total * per <= budget:
             return GpuBoundaries(len(tokens))
-        budget = max(0, budget - 2 * max(per_mb))  # room for the boundary in use + the one prefetched
-    _check_host_room(cfg, model_config, block, dtype, tokens, budget, host)
-    return HostBoundaries(streams, device, host, budget)
+        on_gpu = max(0, budget - 2 * per) // per  # room for the boundary in use + the one prefetched
+    _check_host_room(cfg, model_config, block, dtype, tokens, on_gpu, host)
+    return HostBoundaries(streams, device, host, total, on_gpu)
 
 
 def _gpu_budget(cfg, device, model_config, block: int, dtype: torch.dtype, tokens: list[int]) -> int:
@@ -174,14 +178,14 @@ def _gpu_budget(cfg, device, model_config, block: int, dtype: torch.dtype, token
     return int(free + cached - rest - cfg.gpu_margin_gib * 2**30)
 
 
-def _check_host_room(cfg, model_config, block, dtype, tokens, gpu_budget, host: HostBuffers) -> None:
+def _check_host_room(cfg, model_config, block, dtype, tokens, on_gpu: int, host: HostBuffers) -> None:
     """Refuse before the forward allocates pinned buffers the host cannot give (numbers in the error)."""
     import psutil
 
     need = activations.host_boundary_bytes(
         num_layers=model_config.num_hidden_layers, hidden=model_config.hidden_size, micro_batches=len(tokens),
         tokens_per_micro_batch=max(tokens), block=block, compute_bytes=torch.finfo(dtype).bits // 8,
-        gpu_budget_bytes=gpu_budget)
+        boundaries_on_gpu=on_gpu)
     new = max(0, need - host.nbytes())
     avail = psutil.virtual_memory().available - cfg.host_margin_gib * 2**30
     if new > avail:

@@ -27,38 +27,36 @@ def test_offload_on_vs_off_identical(interval, mb, chunk):
         assert torch.equal(final_a[name], final_b[name]), name
 
 
-def _store(budget, buffers=None):
+def _store(total, on_gpu, buffers=None):
     streams = StreamSet(torch.device("cpu"))
-    return HostBoundaries(streams, torch.device("cpu"), buffers or HostBuffers(pin=False), budget)
+    return HostBoundaries(streams, torch.device("cpu"), buffers or HostBuffers(pin=False), total, on_gpu)
 
 
-def test_host_store_spills_beyond_budget_and_prefetches_one_ahead():
+def test_host_store_offloads_the_first_and_prefetches_one_ahead():
     one = torch.zeros(3, 5).numel() * 4
-    store = _store(budget=2 * one)
+    store = _store(total=6, on_gpu=2)
     kept = {}
     for layer in (0, 2, 4):  # forward order: blocks ascending, micro-batches within
         for mb in (0, 1):
             kept[(mb, layer)] = torch.randn(3, 5)
             store.keep(mb, layer, kept[(mb, layer)])
-    assert set(store._on_gpu) == {(0, 0), (1, 0)}  # the first two fit the budget
+    assert set(store._on_gpu) == {(0, 4), (1, 4)}  # the last two: the backward needs them first
     assert store.offloaded_bytes == 4 * one
     order = [(0, 4), (1, 4), (0, 2), (1, 2), (0, 0), (1, 0)]  # the backward's order
     for n, key in enumerate(order):
         got = store.take(*key)
         assert torch.equal(got, kept[key])
-        if key in ((0, 4), (1, 4), (0, 2)):  # offloaded: a copy, and the next offloaded one is on its way
-            assert got is not kept[key]
-            assert list(store._loaded) == [order[n + 1]]
-        else:
-            assert not store._loaded
-    assert got is kept[(1, 0)]  # kept on the device: handed back as is
+        assert (got is kept[key]) == (key[1] == 4)  # offloaded ones come back as copies
+        # after each take exactly the next offloaded boundary (if any) is on its way, nothing more
+        nxt = order[n + 1] if n + 1 < len(order) else None
+        assert list(store._loaded) == ([nxt] if nxt is not None and nxt[1] != 4 else [])
 
 
 def test_host_buffers_are_reused_across_steps():
     buffers = HostBuffers(pin=False)
     ptrs = []
     for step in range(2):
-        store = _store(0, buffers)
+        store = _store(2, 0, buffers)
         for layer in (0, 1):
             store.keep(0, layer, torch.full((4, 8), float(step)))
         ptrs.append([buffers._flat[i].data_ptr() for i in range(2)])
@@ -82,13 +80,13 @@ def test_make_boundaries_rule(monkeypatch):
     assert isinstance(make_boundaries(EngineConfig(boundary_offload="gpu"), cpu, **kw), GpuBoundaries)
     assert isinstance(make_boundaries(EngineConfig(boundary_offload="auto"), cpu, **kw), GpuBoundaries)
     host = make_boundaries(EngineConfig(boundary_offload="host"), cpu, **kw)
-    assert isinstance(host, HostBoundaries) and host._gpu_left == 0
+    assert isinstance(host, HostBoundaries) and host._to_host == 8
     # auto on CUDA: everything on the GPU while it fits; beyond, spill what does not fit (less two in flight)
     monkeypatch.setattr(boundaries, "_gpu_budget", lambda *a: need)
     assert isinstance(make_boundaries(EngineConfig(), _FakeCudaStreams(), **kw), GpuBoundaries)
     monkeypatch.setattr(boundaries, "_gpu_budget", lambda *a: need - 1)
     spill = make_boundaries(EngineConfig(), _FakeCudaStreams(), **kw)
-    assert isinstance(spill, HostBoundaries) and spill._gpu_left == need - 1 - 2 * per
+    assert isinstance(spill, HostBoundaries) and spill._to_host == 8 - 5  # (need - 1 - 2 per) // per = 5 stay
 
 
 def test_refused_with_numbers_when_the_host_cannot_hold_them():
