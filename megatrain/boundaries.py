@@ -55,6 +55,7 @@ class HostBuffers:
         self.pin = pin
         self._flat: list[torch.Tensor] = []
         self.read_done: list[object] = []  # per buffer: the event after the last H2D read of it (or None)
+        self.plan: dict = {}  # what make_boundaries chose for the latest step (for reports)
 
     def get(self, i: int, like: torch.Tensor) -> torch.Tensor:
         """Buffer ``i`` viewed with ``like``'s shape and dtype."""
@@ -151,17 +152,20 @@ def make_boundaries(cfg, streams, *, model_config, block: int, dtype: torch.dtyp
     """The boundary store for one step (rule in the module doc). ``tokens``: tokens per micro-batch;
     ``host``: the engine's persistent host buffers."""
     mode, device = cfg.boundary_offload, streams.device
-    if mode == "gpu" or (mode == "auto" and device.type != "cuda"):
-        return GpuBoundaries(len(tokens))
     per = max(tokens) * model_config.hidden_size * (torch.finfo(dtype).bits // 8)  # bytes of the largest
     total = math.ceil(model_config.num_hidden_layers / block) * len(tokens)
+    host.plan = dict(boundary_store="gpu", boundaries=total, boundaries_on_gpu=total, boundary_bytes=per)
+    if mode == "gpu" or (mode == "auto" and device.type != "cuda"):
+        return GpuBoundaries(len(tokens))
     on_gpu = 0
     if mode == "auto":
         budget = _gpu_budget(cfg, device, model_config, block, dtype, tokens)
+        host.plan["gpu_budget_bytes"] = budget
         if total * per <= budget:
             return GpuBoundaries(len(tokens))
         on_gpu = max(0, budget - 2 * per) // per  # room for the boundary in use + the one prefetched
     _check_host_room(cfg, model_config, block, dtype, tokens, on_gpu, host)
+    host.plan.update(boundary_store="host", boundaries_on_gpu=min(on_gpu, total))
     return HostBoundaries(streams, device, host, total, on_gpu)
 
 
