@@ -49,7 +49,9 @@ class GpuBoundaries:
 
 class HostBuffers:
     """Host memory for offloaded boundaries, kept across steps: pinning gigabytes costs seconds, so buffers
-    are allocated once (grown when a longer sequence needs more) and reused by every step."""
+    are allocated once (grown when a longer sequence needs more) and reused by every step. Pinned as the
+    host store is (plain allocation + cudaHostRegister): torch's pinned allocator would round each 3.7 GB
+    boundary (7B shape, 512K tokens) up to 4 GiB."""
 
     def __init__(self, pin: bool):
         self.pin = pin
@@ -64,12 +66,31 @@ class HostBuffers:
             self._flat.append(None)
             self.read_done.append(None)
         if self._flat[i] is None or self._flat[i].numel() < nbytes:
-            self._flat[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            self._release(i)
+            self._flat[i] = torch.empty(nbytes, dtype=torch.uint8)
+            if self.pin:  # page-locked: the copies are DMA and can run asynchronously on their streams
+                err = torch.cuda.cudart().cudaHostRegister(self._flat[i].data_ptr(), nbytes, 0)
+                if int(err) != 0:
+                    raise RuntimeError(f"cudaHostRegister failed ({err}) for a {nbytes / 2**30:.2f} GiB boundary")
             self.read_done[i] = None
         return self._flat[i][:nbytes].view(like.dtype).view(like.shape)
 
     def nbytes(self) -> int:
-        return sum(b.numel() for b in self._flat)
+        return sum(b.numel() for b in self._flat if b is not None)
+
+    def _release(self, i: int) -> None:
+        if self._flat[i] is not None and self.pin:
+            if self.read_done[i] is not None:
+                self.read_done[i].synchronize()  # host waits: the last H2D read must end before unpinning
+            torch.cuda.cudart().cudaHostUnregister(self._flat[i].data_ptr())
+        self._flat[i] = None
+
+    def close(self) -> None:
+        """Unpin and free every buffer (the engine's close)."""
+        for i in range(len(self._flat)):
+            self._release(i)
+        self._flat.clear()
+        self.read_done.clear()
 
 
 class HostBoundaries:

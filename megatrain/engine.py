@@ -395,7 +395,8 @@ class MegaTrain:
         finally:
             self.offloader.close()
             self.store.close()
-            self.pool = self.resident = self._boundary_host = None
+            self._boundary_host.close()  # unpin offloaded-boundary buffers
+            self.pool = self.resident = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 

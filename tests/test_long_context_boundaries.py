@@ -63,6 +63,11 @@ def test_host_buffers_are_reused_across_steps():
         assert torch.equal(store.take(0, 1), torch.full((4, 8), float(step)))
         assert torch.equal(store.take(0, 0), torch.full((4, 8), float(step)))
     assert ptrs[0] == ptrs[1] and buffers.nbytes() == 2 * 4 * 8 * 4
+    store = _store(1, 0, buffers)
+    store.keep(0, 0, torch.ones(8, 8))  # a longer sequence: buffer 0 grows, buffer 1 is kept as is
+    assert buffers.nbytes() == (8 * 8 + 4 * 8) * 4 and torch.equal(store.take(0, 0), torch.ones(8, 8))
+    buffers.close()
+    assert buffers.nbytes() == 0
 
 
 class _FakeCudaStreams(StreamSet):
