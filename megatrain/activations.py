@@ -72,3 +72,24 @@ def host_boundary_bytes(*, num_layers: int, hidden: int, micro_batches: int, tok
     n = math.ceil(num_layers / block) * micro_batches
     on_gpu = boundaries_on_gpu if gpu_budget_bytes is None else gpu_budget_bytes // per
     return max(0, n - on_gpu) * per
+
+
+def choose_block(*, gpu_bytes: int, host_bytes: int, num_layers: int, hidden: int, micro_batches: int,
+                 tokens_per_micro_batch: int, compute_bytes: int, **shape) -> tuple[int, int] | None:
+    """The smallest checkpoint interval K (least recompute memory) whose activations fit: ``gpu_bytes`` of
+    GPU memory for the working set plus the boundaries kept there, ``host_bytes`` of host memory for the
+    ones offloaded. Returns (K, boundaries kept on the GPU), or None when no K fits. A larger K trades
+    boundaries (fewer, n = ceil(L/K)) for a larger block recompute (K layers' attention terms).
+    ``shape``: the rest of gpu_working_set's keyword arguments (ffn, vocab, loss_chunk_tokens, ...)."""
+    common = dict(num_layers=num_layers, hidden=hidden, micro_batches=micro_batches,
+                  tokens_per_micro_batch=tokens_per_micro_batch, compute_bytes=compute_bytes)
+    per = tokens_per_micro_batch * hidden * compute_bytes
+    for k in range(1, num_layers + 1):
+        n = math.ceil(num_layers / k) * micro_batches
+        rest = sum(v for p, v in gpu_working_set(block=k, **common, **shape).items() if p != "boundaries")
+        if rest + n * per <= gpu_bytes:
+            return k, n  # all on the GPU
+        on_gpu = max(0, (gpu_bytes - rest) // per - 2)  # less the one in use and the one prefetched
+        if rest + 2 * per <= gpu_bytes and host_boundary_bytes(block=k, boundaries_on_gpu=on_gpu, **common) <= host_bytes:
+            return k, on_gpu
+    return None

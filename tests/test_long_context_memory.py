@@ -106,3 +106,26 @@ def test_measured_layer_memory_growth_is_attention_only(layer):
     # Unchunked the MLP's t·f intermediates are there: the same check would fail.
     assert u2 - u1 > 4 * FFN * dt * c * 0.9
     assert q2 - q1 > 4 * (p2 - p1)
+
+
+def test_choose_block_trades_boundaries_for_recompute():
+    from megatrain.activations import choose_block
+
+    shape = {k: v for k, v in SEVEN_B.items() if k != "block"}
+    t, G = 512 * K, 2**30
+    one = t * 3584 * 2
+    # plenty of both: K = 1 with every boundary on the GPU
+    assert choose_block(gpu_bytes=400 * G, host_bytes=0, tokens_per_micro_batch=t, mlp_chunk_tokens=0,
+                        **shape) == (1, 28)
+    # GPU short, host generous: K = 1, the rest offloaded
+    k, on_gpu = choose_block(gpu_bytes=120 * G, host_bytes=200 * G, tokens_per_micro_batch=t, mlp_chunk_tokens=0,
+                             **shape)
+    assert k == 1 and 0 < on_gpu < 28
+    # no host room: only a larger K (fewer boundaries) fits, or nothing does
+    assert choose_block(gpu_bytes=150 * G, host_bytes=0, tokens_per_micro_batch=t, mlp_chunk_tokens=0,
+                        **shape) == (2, 14)
+    assert choose_block(gpu_bytes=100 * G, host_bytes=0, tokens_per_micro_batch=t, mlp_chunk_tokens=0, **shape) is None
+    # a little host room lets K = 1 run on the same GPU, its first boundaries offloaded
+    k, on_gpu = choose_block(gpu_bytes=150 * G, host_bytes=20 * one, tokens_per_micro_batch=t, mlp_chunk_tokens=0,
+                             **shape)
+    assert k == 1 and 28 - on_gpu <= 20
