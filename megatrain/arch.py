@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .chunked_mlp import resolve_chunk, tokenwise_checkpoint
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 EMBED_NAME = "model.embed_tokens.weight"
@@ -101,9 +103,31 @@ def build_rotary(meta_model, device: torch.device) -> nn.Module:
     return rotary.to(device)
 
 
-def run_layer(layer: nn.Module, hidden: torch.Tensor, mask, position_ids, position_embeddings) -> torch.Tensor:
-    out = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)
-    return out[0] if isinstance(out, tuple) else out
+def run_layer(layer: nn.Module, hidden: torch.Tensor, mask, position_ids, position_embeddings,
+              mlp_chunk_tokens: int = -1) -> torch.Tensor:
+    """One decoder layer on ``hidden`` [batch, seq, h].
+
+    ``mlp_chunk_tokens`` (EngineConfig.mlp_chunk_tokens: -1 never, 0 auto, N tokens) bounds the layer's
+    autograd working set at long sequences (see megatrain/chunked_mlp.py). When it resolves to "no
+    chunking" the HF layer's own forward runs, exactly as without this option. Otherwise the layer's
+    submodules are called explicitly in the order every supported family's decoder layer uses
+    (transformers 5.x, llama / qwen2 / qwen3 / mistral):
+
+        x + self_attn(input_layernorm(x))  ->  h + mlp(post_attention_layernorm(h))
+
+    with the input norm and the whole "norm -> MLP -> residual" part recomputed token chunk by chunk in
+    backward, so only their inputs are kept (no fp32 norm copies, no t x f MLP intermediates)."""
+    chunk = resolve_chunk(mlp_chunk_tokens, hidden.shape[0] * hidden.shape[1])
+    if chunk == 0:
+        out = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)
+        return out[0] if isinstance(out, tuple) else out
+    norm1, norm2, mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.mlp
+    normed = tokenwise_checkpoint(norm1, chunk, hidden, list(norm1.parameters()))
+    attn, _ = layer.self_attn(hidden_states=normed, attention_mask=mask, position_ids=position_ids,
+                              position_embeddings=position_embeddings)
+    hidden = hidden + attn
+    return tokenwise_checkpoint(lambda h: h + mlp(norm2(h)), chunk, hidden,
+                                [*norm2.parameters(), *mlp.parameters()])
 
 
 def init_module_(meta_model, module: nn.Module) -> None:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import arch, checkpoint, memory, placement
-from .boundaries import GpuBoundaries
+from .boundaries import HostBuffers, make_boundaries
 from .config import EngineConfig
 from .device_adamw import DeviceAdamW
 from .grad_offload import GradStream
@@ -30,6 +30,7 @@ from .host_adamw import HostAdamW
 from .loss import chunked_lm_loss
 from .optim import Optimizers
 from .slots import SlotPool
+from .spec import with_positions
 from .store import ModelStore, make_groups, views
 from .streams import StreamSet
 from .system import IGNORE_INDEX, MemoryStats, StepResult, labels_from_batch, shift_labels, split_micro_batches
@@ -63,10 +64,9 @@ class MegaTrain:
         cfg = cfg or EngineConfig()
         arch.check_supported(hf_config)
         hf_config = copy.deepcopy(hf_config)
+        hf_config = with_positions(hf_config, cfg.max_position_embeddings)  # long context: 0 = model's own
         hf_config._attn_implementation = cfg.attn_implementation
         hf_config.use_cache = False
-        if cfg.max_position_embeddings:
-            hf_config.max_position_embeddings = cfg.max_position_embeddings
         self.cfg = cfg
         self.config = hf_config
         self.device = cfg.resolved_device()
@@ -86,6 +86,7 @@ class MegaTrain:
         self.num_pool_slots = self.block + cfg.num_slots - 1
         on_gpu = self.device.type == "cuda"
         pin = on_gpu and cfg.pin_memory
+        self._boundary_host = HostBuffers(pin)  # host home of offloaded block boundaries, reused every step
 
         # Placement: which groups live on the GPU tier, checked against both memories before allocating.
         self.placement = self._plan(tokens_per_step, seq_len, tiers)
@@ -140,7 +141,8 @@ class MegaTrain:
             block=self.block, num_pool_slots=self.num_pool_slots, compute_bytes=c,
             stream_fp32=cfg.stream_dtype == "fp32", bf16_shadow=cfg.stream_dtype == "bf16",
             slab_bytes_total=cfg.grad_slabs * GradStream.slab_bytes_for() if self.device.type == "cuda" else 0,
-            loss_chunk_tokens=cfg.loss_chunk_tokens)
+            loss_chunk_tokens=cfg.loss_chunk_tokens, mlp_chunk_tokens=cfg.mlp_chunk_tokens,
+            boundaries_on_gpu=0 if cfg.boundary_offload == "host" else None)
         on_gpu = self.device.type == "cuda"
         gpu_free = torch.cuda.mem_get_info(self.device)[0] if on_gpu else 0
         return placement.plan({g.name: g.numel for g in self.groups}, shape, setting=cfg.gpu_resident,
@@ -237,7 +239,8 @@ class MegaTrain:
 
     def _forward(self, mbs: list[_MicroBatch]):
         embed_w = self._embed_w = self._resident_weight("embed")[0]
-        boundaries = GpuBoundaries(len(mbs))
+        boundaries = make_boundaries(self.cfg, self.streams, model_config=self.config, block=self.block, dtype=self.dtype,
+                                     tokens=[mb.ids.numel() for mb in mbs], host=self._boundary_host)
         ctx = []
         with torch.no_grad():
             hidden = [F.embedding(mb.ids, embed_w) for mb in mbs]
@@ -252,7 +255,8 @@ class MegaTrain:
                 layer = slot.template(self.kinds[i])
                 for b in range(len(mbs)):
                     masks, pos, pos_emb = ctx[b]
-                    hidden[b] = arch.run_layer(layer, hidden[b], masks[self.kinds[i]], pos, pos_emb)
+                    hidden[b] = arch.run_layer(layer, hidden[b], masks[self.kinds[i]], pos, pos_emb,
+                                               self.cfg.mlp_chunk_tokens)
                 self.pool.release(slot)
         return hidden, boundaries, ctx
 
@@ -290,7 +294,8 @@ class MegaTrain:
                     x = boundaries.take(b, start)
                     for i, slot in zip(layers, slots):
                         x_in = x.detach().requires_grad_(True)
-                        x = arch.run_layer(slot.template(self.kinds[i]), x_in, masks[self.kinds[i]], pos, pos_emb)
+                        x = arch.run_layer(slot.template(self.kinds[i]), x_in, masks[self.kinds[i]], pos, pos_emb,
+                                           self.cfg.mlp_chunk_tokens)
                         inputs.append(x_in)
                         outputs.append(x)
                 grad = d_hidden[b]
@@ -459,6 +464,7 @@ class MegaTrain:
         finally:
             self.optimizer.close()
             self.store.close()
+            self._boundary_host.close()  # unpin offloaded-boundary buffers
             self.pool = self.resident = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()

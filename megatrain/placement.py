@@ -45,7 +45,8 @@ class StepShape:
     bf16_shadow: bool
     slab_bytes_total: int
     loss_chunk_tokens: int
-    mlp_chunk_tokens: int = -1
+    mlp_chunk_tokens: int = -1  # as EngineConfig.mlp_chunk_tokens
+    boundaries_on_gpu: int | None = None  # None: all block boundaries on the GPU; g: g of them (rest on host)
 
 
 @dataclass
@@ -119,7 +120,8 @@ def gpu_fixed_parts(numels: dict[str, int], shape: StepShape, any_gpu_tier: bool
     parts.update(activations.gpu_working_set(
         num_layers=shape.num_layers, hidden=shape.hidden, ffn=shape.ffn, vocab=shape.vocab,
         micro_batches=shape.micro_batches, tokens_per_micro_batch=shape.tokens_per_micro_batch, block=shape.block,
-        compute_bytes=c, loss_chunk_tokens=shape.loss_chunk_tokens, mlp_chunk_tokens=shape.mlp_chunk_tokens))
+        compute_bytes=c, loss_chunk_tokens=shape.loss_chunk_tokens, mlp_chunk_tokens=shape.mlp_chunk_tokens,
+        boundaries_on_gpu=shape.boundaries_on_gpu))
     return parts
 
 

@@ -6,6 +6,7 @@ config, not merely similar numbers.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, replace
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -125,6 +126,34 @@ PRESETS: dict[str, ModelSpec] = {
     "gpt-oss-120b-dense": ModelSpec("qwen2", 8192, 116, 64, 8, 33792, 201088, False, name="gpt-oss-120b-dense"),
     "llama3-8b": ModelSpec("llama", 4096, 32, 32, 8, 14336, 128256, False, rope_theta=500000.0, name="llama3-8b"),
 }
+
+
+# RoPE types whose scaling is anchored to the pretraining length (HF reads it from
+# rope_parameters["original_max_position_embeddings"], falling back to max_position_embeddings).
+_ANCHORED_ROPE = ("llama3", "yarn", "longrope")
+
+
+def with_positions(model, n: int):
+    """``model`` (a ModelSpec or an HF config) asking for ``n`` positions: the one supported way to train
+    sequences longer than the model's own ``max_position_embeddings`` (n = 0: unchanged).
+
+    RoPE stays as the family defines it: the rotary frequencies of the default RoPE do not depend on the
+    maximum, and any rope scaling (``rope_parameters`` / ``rope_scaling``) is passed through unchanged. For
+    scaling types anchored to the pretraining length (llama3, yarn, longrope) the original length is
+    recorded in the rope parameters first (HF does the same when it builds such a config), so the anchor
+    stays the model's pretraining length, not ``n``. An HF config is copied, never modified in place."""
+    if n < 0:
+        raise ValueError(f"max_position_embeddings override must be >= 0 (0 = the model's own), got {n}")
+    if n == 0:
+        return model
+    if isinstance(model, ModelSpec):
+        return replace(model, max_position_embeddings=int(n))
+    cfg = copy.deepcopy(model)
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in _ANCHORED_ROPE:
+        rope.setdefault("original_max_position_embeddings", cfg.max_position_embeddings)
+    cfg.max_position_embeddings = int(n)
+    return cfg
 
 
 def get_preset(name: str) -> ModelSpec:

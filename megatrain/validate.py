@@ -20,7 +20,9 @@ def validate_batch(batch, config, micro_batches: int) -> None:
     bsz, seq = ids.shape
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos is not None and seq > max_pos:
-        raise ValueError(f"sequence length {seq} exceeds the model's max_position_embeddings ({max_pos})")
+        raise ValueError(f"sequence length {seq} exceeds the model's max_position_embeddings ({max_pos}); to train "
+                         f"longer sequences deliberately, set EngineConfig(max_position_embeddings={seq}) (runner: "
+                         f"engine.max_position_embeddings={seq}) or use megatrain.spec.with_positions(config, {seq})")
     vocab = config.vocab_size
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= vocab:

@@ -3,6 +3,8 @@
     python scripts/engine_bench.py parity --out DIR            # bf16: engine vs all-on-GPU HF, 20 steps
     python scripts/engine_bench.py throughput --model qwen2.5-3b --batch 16 --seq 1024 \
         --variant full --variant no_double_buffer --native --out DIR
+    python scripts/engine_bench.py long_context --model qwen2.5-7b --batch 1 --seq 131072 --out DIR
+        # one sequence length per process (host peak RSS is per process); appends DIR/long_context.jsonl
 
 Every variant runs in this one process, one after the other, so ratios compare like with like. Results
 are JSON lines in DIR/<mode>.jsonl plus the environment in DIR/env.json.
@@ -149,6 +151,8 @@ def measure_engine(spec, variant: str, args) -> dict:
         mem = engine.memory()
         loads_per_step = engine.pool.loads / len(steps)
     finally:
+        home = getattr(engine, "_boundary_host", None)  # where the boundaries went (long_context reports it)
+        _LAST_PLAN["plan"] = dict(home.plan) if home is not None else {}
         engine.close()
         del engine
         gc.collect()
@@ -206,6 +210,34 @@ def cmd_throughput(args) -> None:
                   f"{r['host_peak_rss_gib']:9.1f} {r['host_bytes_per_param']:8.2f}")
 
 
+def cmd_long_context(args) -> None:
+    """One long sequence: max_position_embeddings raised to it, chunked MLP and boundary offload as asked
+    ("auto" by default). Records the K, MLP chunk and boundary-store choices with the usual columns; a
+    run that does not fit records which memory ran out and the numbers the error gives."""
+    from megatrain.chunked_mlp import resolve_chunk
+
+    spec = get_preset(args.model).scaled(depth=args.layers)
+    VARIANTS["long_context"] = dict(max_position_embeddings=max(args.seq, spec.max_position_embeddings),
+                                    mlp_chunk_tokens=args.mlp_chunk_tokens, boundary_offload=args.boundary_offload)
+    choices = dict(checkpoint_interval=args.checkpoint_interval, boundary_offload=args.boundary_offload,
+                   mlp_chunk_tokens=args.mlp_chunk_tokens,
+                   mlp_chunk_resolved=resolve_chunk(args.mlp_chunk_tokens, args.batch * args.seq // args.micro_batches))
+    try:
+        row = measure_engine(spec, "long_context", args)
+        row.update(choices, boundary_plan=_LAST_PLAN.get("plan", {}))
+    except (torch.cuda.OutOfMemoryError, MemoryError) as exc:  # which memory ran out, and by how much
+        which = "gpu" if isinstance(exc, torch.cuda.OutOfMemoryError) else "host"
+        row = dict(system="megatrain[long_context]", model=spec.name, batch=args.batch, seq=args.seq,
+                   error=f"{type(exc).__name__}: {exc}", out_of=which, boundary_plan=_LAST_PLAN.get("plan", {}),
+                   gpu_peak_gib=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else -1,
+                   **choices)
+        print("FAILED", row["error"][:300], flush=True)
+    _write(args.out, "long_context", row, append=True)
+
+
+_LAST_PLAN: dict = {}  # the boundary plan of the engine's last step, kept past engine.close()
+
+
 def _write(out, name, payload, append=False) -> None:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -216,7 +248,7 @@ def _write(out, name, payload, append=False) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["parity", "throughput"])
+    p.add_argument("mode", choices=["parity", "throughput", "long_context"])
     p.add_argument("--model", default="qwen2.5-3b")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--batch", type=int, default=16)
@@ -228,9 +260,11 @@ def main() -> None:
     p.add_argument("--checkpoint-interval", type=int, default=1)
     p.add_argument("--variant", action="append", choices=sorted(VARIANTS))
     p.add_argument("--native", action="store_true", help="also run all-on-GPU HF training in the same process")
+    p.add_argument("--mlp-chunk-tokens", type=int, default=0, help="long_context: -1 never, 0 auto, N tokens")
+    p.add_argument("--boundary-offload", default="auto", choices=["auto", "gpu", "host"], help="long_context")
     p.add_argument("--out", default="results/engine/run")
     args = p.parse_args()
-    {"parity": cmd_parity, "throughput": cmd_throughput}[args.mode](args)
+    {"parity": cmd_parity, "throughput": cmd_throughput, "long_context": cmd_long_context}[args.mode](args)
 
 
 if __name__ == "__main__":
