@@ -19,6 +19,10 @@ OPTIM = OptimConfig(lr=1e-3, weight_decay=0.1, max_grad_norm=0.5, warmup_steps=1
     dict(num_slots=3, checkpoint_interval=2, overlap_optimizer=False),
     dict(num_slots=1, checkpoint_interval=2, grad_slabs=0),
     dict(num_slots=2, checkpoint_interval=0, stream_dtype="fp32", grad_slabs=1),
+    dict(num_slots=2, checkpoint_interval=1, gpu_resident="2"),  # mixed tiers
+    dict(num_slots=2, checkpoint_interval=2, gpu_resident="4"),  # all on the GPU tier
+    dict(num_slots=2, checkpoint_interval=1, speculate="always"),  # early host updates, rolled back (clip fires)
+    dict(num_slots=2, checkpoint_interval=2, boundary_offload="host", gpu_resident="1"),
 ])
 def test_cuda_fp32_matches_cpu_reference(overrides):
     """fp32 compute on the GPU through streams/events/slabs equals plain PyTorch on the CPU (TF32 off)."""
