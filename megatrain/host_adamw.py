@@ -24,12 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cpu_adamw import HostKernel
 from .grad_offload import GradStream
-from .optim import adamw_, adamw_undo_
+from .optim import adamw_undo_
 from .store import ModelStore
 from .system import OptimConfig
-
-SUB = 1 << 20  # elements per fused call: the widened fp32 gradient (4 MiB) stays in cache
 
 
 @dataclass
@@ -51,7 +50,10 @@ class HostAdamW:
         self._done = {name: threading.Event() for name in self.names}
         for ev in self._done.values():
             ev.set()
-        self._g32 = torch.empty(SUB, dtype=torch.float32)  # widening scratch, reused by every chunk
+        # One-pass C++/OpenMP kernel when it builds here, else torch's fused kernel (megatrain/cpu_adamw.py).
+        # One core is left to the main thread, which keeps the GPU fed while the worker updates.
+        threads = max(1, torch.get_num_threads() - 1) if grads.streams.cuda else torch.get_num_threads()
+        self.kernel = HostKernel(cfg, threads)
         self._tasks: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._cur: _StepState | None = None
@@ -169,18 +171,13 @@ class HostAdamW:
         update, then (unless ``coef`` is None) apply the update with ``coef``."""
         st = self.store
         if new_step:
-            st.steps[name].add_(1)  # the fused kernel expects the already-incremented count
+            st.steps[name].add_(1)  # the kernels expect the already-incremented count
         step = float(st.steps[name])
-        scale = None if coef in (None, 1.0) else torch.tensor(1.0 / coef, dtype=torch.float32)
         p, m, v = st.master[name], st.m[name], st.v[name]
-        for start, g in self.grad_stream.chunks(flat, ready):
-            for s in range(0, g.numel(), SUB):
-                gs = g[s:s + SUB]
-                if gs.dtype != torch.float32:  # bf16 from the slab, widened in cache
-                    gs = self._g32[:gs.numel()].copy_(gs)
-                a, b = start + s, start + s + gs.numel()
-                if undo:
-                    adamw_undo_(p[a:b], gs, m[a:b], v[a:b], step, lr, self.cfg)
-                if coef is not None:
-                    adamw_(p[a:b], gs, m[a:b], v[a:b], st.steps[name], lr, self.cfg, scale)
+        for a, g in self.grad_stream.chunks(flat, ready):
+            b = a + g.numel()
+            if undo:  # rare (rollback): float64, not the fast path
+                adamw_undo_(p[a:b], g, m[a:b], v[a:b], step, lr, self.cfg)
+            if coef is not None:
+                self.kernel.step(p[a:b], g, m[a:b], v[a:b], st.steps[name], lr, coef)
         st.refresh_shadow(name)
