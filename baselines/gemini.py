@@ -38,7 +38,7 @@ import torch
 
 from megatrain.system import OptimConfig, StepResult
 
-from .common import (COMMON_OPTIONS, BaselineSystem, CausalLMLoss, build_guarded, check_options, clip_norm,
+from .common import (COMMON_OPTIONS, BaselineSystem, CausalLMLoss, build_guarded, clip_norm,
                      enable_activation_checkpointing, fp32_rotary_buffers, load_hf_model,
                      non_fp32_float_buffers, prepare_step, read_hf_config, set_single_process_env)
 
@@ -141,79 +141,15 @@ class _Kernelless:
     """Stands in for ColossalAI's kernel loaders: HybridAdam is built without CPU Adam / fused CUDA Adam."""
 
     class _Op:
-        def __init__(self, *_a, **_k):
-            pass
+        OPTIONS = OPTIONS
+    CHOICES = {"optimizer": ("auto", "hybrid_adam", "torch_adamw")}
+    booster = plugin = None
 
-        def step(self, *_a, **_k):
-            raise RuntimeError("gemini[torch-adamw]: the CPU Adam kernel is unavailable; this update needed it "
-                               "(fp32/fp16 gradients on CPU parameters)")
-
-    def load(self):
-        def multi_tensor_adam(*_a, **_k):
-            raise RuntimeError("gemini[torch-adamw]: the fused CUDA Adam kernel is unavailable; some parameters "
-                               "are CUDA-resident (offload fractions < 1?)")
-
-        return types.SimpleNamespace(CPUAdamOptimizer=self._Op, multi_tensor_adam=multi_tensor_adam)
-
-
-@contextlib.contextmanager
-def kernelless_hybrid_adam():
-    """Within: constructing HybridAdam loads no kernel."""
-    from colossalai.nn.optimizer import cpu_adam, hybrid_adam
-
-    saved = cpu_adam.CPUAdamLoader, hybrid_adam.FusedOptimizerLoader
-    cpu_adam.CPUAdamLoader = hybrid_adam.FusedOptimizerLoader = _Kernelless
-    try:
-        yield
-    finally:
-        cpu_adam.CPUAdamLoader, hybrid_adam.FusedOptimizerLoader = saved
-
-
-def patch_bf16_clipping(adam) -> None:
-    """Make HybridAdam's plain-torch update (the one bf16 gradients take) honour ``div_scale``, the
-    divisor carrying GeminiOptimizer's clipping factor (and fp16 loss scale). Instance-level patch."""
-    cls = type(adam)
-    current = {"div_scale": -1.0}
-
-    def step(closure=None, div_scale: float = -1):
-        current["div_scale"] = div_scale
-        try:
-            return cls.step(adam, closure, div_scale)
-        finally:
-            current["div_scale"] = -1.0
-
-    def torch_adam_update(data, grad, *args, **kwargs):
-        div = current["div_scale"]
-        if div is not None and div > 0:
-            grad = grad.to(data.dtype) / div
-        return cls.torch_adam_update(adam, data, grad, *args, **kwargs)
-
-    adam.step = step
-    adam.torch_adam_update = torch_adam_update
-
-
-# -- the system ------------------------------------------------------------------------------------
-class GeminiSystem(BaselineSystem):
-    name = "gemini"
-
-    def __init__(self, *, init_dir, optim: OptimConfig, micro_batches: int = 1, device: str = "cuda",
-                 dtype: torch.dtype = torch.bfloat16, activation_checkpointing: bool = True,
-                 options: dict | None = None):
-        opts = check_options(self.name, options, OPTIONS)
-        if opts["optimizer"] not in ("auto", "hybrid_adam", "torch_adamw"):
-            raise ValueError(f"gemini optimizer must be auto, hybrid_adam or torch_adamw, got {opts['optimizer']!r}")
-        if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+    def _check_device(self, device, dtype) -> None:
+        if device.type != "cuda" or not torch.cuda.is_available():
             raise RuntimeError("Gemini needs CUDA: ColossalAI's chunk manager, its CUDA streams and HybridAdam "
-                               f"run only on a GPU (device={device!r}, CUDA available: {torch.cuda.is_available()})")
+                               f"run only on a GPU (device={str(device)!r}, CUDA available: {torch.cuda.is_available()})")
         precision_name(dtype)
-        super().__init__(device, optim, micro_batches)
-        self.booster = self.plugin = self.model = self.optimizer = None
-        try:
-            self._build(init_dir, opts, dtype, activation_checkpointing)
-            self._finish_build()
-        except BaseException:
-            self.close()
-            raise
 
     def _build(self, init_dir, opts, dtype, activation_checkpointing) -> None:
         import torch.distributed as dist
@@ -266,6 +202,7 @@ class GeminiSystem(BaselineSystem):
         self.info.update(system=self.name, optimizer="HybridAdam" if kind == "hybrid_adam" else
                          "HybridAdam without kernels (torch update path)", stubbed_modules=stubbed,
                          colossalai_version=getattr(colossalai, "__version__", "?"), plugin=plugin_kwargs,
+                         settings=plugin_kwargs,
                          rotary_buffers_rebuilt_fp32=fixed, non_fp32_buffers=non_fp32_float_buffers(inner),
                          bf16_clipping_fixed=bool(opts["fix_bf16_clipping"]),
                          compute_dtype=str(dtype).replace("torch.", ""),
