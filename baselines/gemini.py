@@ -141,7 +141,62 @@ class _Kernelless:
     """Stands in for ColossalAI's kernel loaders: HybridAdam is built without CPU Adam / fused CUDA Adam."""
 
     class _Op:
-        OPTIONS = OPTIONS
+        def __init__(self, *_a, **_k):
+            pass
+
+        def step(self, *_a, **_k):
+            raise RuntimeError("gemini[torch-adamw]: the CPU Adam kernel is unavailable; this update needed it "
+                               "(fp32/fp16 gradients on CPU parameters)")
+
+    def load(self):
+        def multi_tensor_adam(*_a, **_k):
+            raise RuntimeError("gemini[torch-adamw]: the fused CUDA Adam kernel is unavailable; some parameters "
+                               "are CUDA-resident (offload fractions < 1?)")
+
+        return types.SimpleNamespace(CPUAdamOptimizer=self._Op, multi_tensor_adam=multi_tensor_adam)
+
+
+@contextlib.contextmanager
+def kernelless_hybrid_adam():
+    """Within: constructing HybridAdam loads no kernel."""
+    from colossalai.nn.optimizer import cpu_adam, hybrid_adam
+
+    saved = cpu_adam.CPUAdamLoader, hybrid_adam.FusedOptimizerLoader
+    cpu_adam.CPUAdamLoader = hybrid_adam.FusedOptimizerLoader = _Kernelless
+    try:
+        yield
+    finally:
+        cpu_adam.CPUAdamLoader, hybrid_adam.FusedOptimizerLoader = saved
+
+
+def patch_bf16_clipping(adam) -> None:
+    """Make HybridAdam's plain-torch update (the one bf16 gradients take) honour ``div_scale``, the
+    divisor carrying GeminiOptimizer's clipping factor (and fp16 loss scale). Instance-level patch."""
+    cls = type(adam)
+    current = {"div_scale": -1.0}
+
+    def step(closure=None, div_scale: float = -1):
+        current["div_scale"] = div_scale
+        try:
+            return cls.step(adam, closure, div_scale)
+        finally:
+            current["div_scale"] = -1.0
+
+    def torch_adam_update(data, grad, *args, **kwargs):
+        div = current["div_scale"]
+        if div is not None and div > 0:
+            grad = grad.to(data.dtype) / div
+        return cls.torch_adam_update(adam, data, grad, *args, **kwargs)
+
+    adam.step = step
+    adam.torch_adam_update = torch_adam_update
+
+
+# -- the system ------------------------------------------------------------------------------------
+class GeminiSystem(BaselineSystem):
+    name = "gemini"
+
+    OPTIONS = OPTIONS
     CHOICES = {"optimizer": ("auto", "hybrid_adam", "torch_adamw")}
     booster = plugin = None
 
