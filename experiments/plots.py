@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .figures import FIGURES, figures_for
+from .figures import FIGURES, expected_figures, figures_for  # noqa: F401
 from .schema import SchemaError as ResultsSchemaError  # noqa: F401
 from .schema import load_results, read_results as read_results_csv  # noqa: F401
 from .style import SWEEPS  # noqa: F401
