@@ -354,6 +354,20 @@ class BaselineSystem:
             self.build_memory["build_gpu_peak_reserved"] = torch.cuda.max_memory_reserved(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
 
+    def _clip_and_update(self, total, tokens: int, lr: float, t0: float) -> StepResult:
+        """Global grad-norm clipping (DTensor-aware; no clipping without a threshold), AdamW step, LR
+        schedule step, gradients freed; the step's result. For adapters driving a torch optimizer."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = clip_norm(self.optim)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_value, norm_value = float(total), float(norm)
+        return StepResult(loss=loss_value, tokens=tokens, step_time_s=self.elapsed(t0), lr=lr, grad_norm=norm_value)
+
     def lr_for_step(self, step: int) -> float:
         return self.optim.lr_at(step)
 

@@ -18,7 +18,7 @@ import torch
 
 from megatrain.system import StepResult, lr_multiplier
 
-from .common import (COMMON_OPTIONS, BaselineSystem, CausalLMLoss, build_guarded, clip_norm,
+from .common import (COMMON_OPTIONS, BaselineSystem, CausalLMLoss, build_guarded,
                      enable_activation_checkpointing, ensure_process_group, load_hf_model, prepare_step)
 
 OPTIONS = dict(
@@ -110,16 +110,7 @@ class FSDPSystem(BaselineSystem):
             loss = self.model(**mb.inputs, denom=denom)
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = clip_norm(self.optim)
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_value, norm_value = float(total), float(norm)
-        return StepResult(loss=loss_value, tokens=tokens, step_time_s=self.elapsed(t0), lr=lr, grad_norm=norm_value)
+        return self._clip_and_update(total, tokens, lr, t0)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """HF-named fp32 weights gathered to CPU (for parity tests; small models only)."""

@@ -184,11 +184,17 @@ def fig_size_host_memory(df, out, formats):
     return _finish(fig, df, "Host memory vs model size (size sweep)", note, out, "size_host_memory", formats)
 
 
-def fig_depth(df, out, formats):
+def _throughput_pair(df, xcol):
+    """Two panels; the left one: throughput over ``xcol`` with an MFU axis and the legend."""
     fig, (ax1, ax2) = _new_figure(ncols=2, width=11.5, height=5.0)
-    _line_panel(ax1, df, "num_layers", "tflops", "training throughput (TFLOPS)")
+    _line_panel(ax1, df, xcol, "tflops", "training throughput (TFLOPS)")
     _mfu_axis(ax1, df)
     _legend(ax1, [_fail_handle()], fontsize=7.5)
+    return fig, ax1, ax2
+
+
+def fig_depth(df, out, formats):
+    fig, ax1, ax2 = _throughput_pair(df, "num_layers")
     _host_memory_panel(ax2, df, "num_layers")
     _legend(ax2, fontsize=7)
     for ax in (ax1, ax2):
@@ -227,10 +233,7 @@ def fig_width(df, out, formats):
 
 
 def fig_context(df, out, formats):
-    fig, (ax1, ax2) = _new_figure(ncols=2, width=11.5, height=5.0)
-    _line_panel(ax1, df, "seq_len", "tflops", "training throughput (TFLOPS)")
-    _mfu_axis(ax1, df)
-    _legend(ax1, [_fail_handle()], fontsize=7.5)
+    fig, ax1, ax2 = _throughput_pair(df, "seq_len")
     cap = df["gpu_mem_cap_gib"].dropna()
     _line_panel(ax2, df, "seq_len", "gpu_peak_allocated_gib", "GPU peak allocated memory (GiB)",
                 band=True, extra_top=float(cap.max()) if not cap.empty else 0.0)

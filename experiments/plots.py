@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .figures import FIGURES, expected_figures, figures_for  # noqa: F401
 from .schema import SchemaError as ResultsSchemaError  # noqa: F401
-from .schema import load_results, read_results as read_results_csv  # noqa: F401
+from .schema import load_results, read_results as read_results_csv, report_errors  # noqa: F401
 from .style import SWEEPS  # noqa: F401
 
 
@@ -55,12 +55,7 @@ def main(argv=None) -> int:
 
         out = plots_dir_for(Path(args.results))
     _, errors = make_plots(args.results, out, tuple(f for f in args.formats.split(",") if f))
-    if errors:
-        print(f"{len(errors)} error(s):", file=sys.stderr)
-        for e in errors:
-            print(f"  {e}", file=sys.stderr)
-        return 2
-    return 0
+    return report_errors(errors)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from .claims import (CLAIMS_PATH, ClaimsError, _all_rows, _hw_long, _hw_short, _
 from .config import H200_PEAK_TFLOPS, HARDWARE_ORDER
 from .figures import figures_for
 from .schema import (KNOWN_SWEEPS as SWEEPS, SAMPLE_GPU, SAMPLE_SHA, fill_x_from_point, formula_tflops,
-                     load_results)
+                     load_results, report_errors)
 from .style import STATUS_SHORT, TFLOPS_FORMULA, fmt_params, fmt_tokens, on_cpu
 
 SECTION_TITLES = {
@@ -323,12 +323,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(f"[ok] wrote {out}")
-    if errors:
-        print(f"{len(errors)} error(s):", file=sys.stderr)
-        for e in errors:
-            print(f"  {e}", file=sys.stderr)
-        return 2
-    return 0
+    return report_errors(errors)
 
 
 if __name__ == "__main__":

@@ -336,3 +336,15 @@ def fill_x_from_point(df, col: str):
     """``col`` with gaps filled from other rows of the same point (a skipped run may lack shape data)."""
     by_point = df.dropna(subset=[col]).groupby("point")[col].first()
     return df[col].fillna(df["point"].map(by_point))
+
+
+def report_errors(errors: list[str]) -> int:
+    """Print a command's collected errors on stderr; its exit status (2 if any, else 0)."""
+    import sys
+
+    if errors:
+        print(f"{len(errors)} error(s):", file=sys.stderr)
+        for e in errors:
+            print(f"  {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -16,7 +16,8 @@ from experiments import config as C  # noqa: E402  (registers the schemas)
 from experiments import sweeps  # noqa: E402
 
 CONF = ROOT / "experiments" / "conf"
-SWEEPS = ("smoke", "baselines", "size", "depth", "width", "context", "hardware", "ablation", "tokens")
+SWEEPS = ("smoke", "baselines", "size", "depth", "width", "context", "hardware", "ablation", "tokens",
+          "baselines_tune")
 GIB = 2**30
 
 
