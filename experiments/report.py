@@ -56,11 +56,12 @@ def _environment(frames: dict, rows: pd.DataFrame) -> list[str]:
         ok = int((df["status"] == "ok").sum())
         dates = sorted(d for d in df["date"] if d)
         span = (dates[0][:10] + (f" … {dates[-1][:10]}" if dates[-1][:10] != dates[0][:10] else "")) if dates else "—"
-        body.append([sweep, str(len(df)), str(ok), str(len(df) - ok), _uniq(df["gpu_name"]),
+        device = "CPU (no GPU)" if on_cpu(df) else _uniq(df["gpu_name"])
+        body.append([sweep, str(len(df)), str(ok), str(len(df) - ok), device,
                      _uniq(df["driver"]), _uniq(df["torch_version"]), _uniq(df["transformers_version"]),
                      _uniq(df["deepspeed_version"]), _uniq(df["git_sha"]), _uniq(df["host_ram_gib"].map(
                          lambda v: f"{v:,.0f}" if pd.notna(v) else None)), span])
-    lines += _md_table(["sweep", "rows", "ok", "failed", "GPU", "driver", "torch", "transformers", "deepspeed",
+    lines += _md_table(["sweep", "rows", "ok", "failed", "device", "driver", "torch", "transformers", "deepspeed",
                         "git SHA", "host RAM (GiB)", "date"], body)
     return lines + [""]
 
