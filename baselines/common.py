@@ -10,7 +10,7 @@ weights, gradients and optimizer state:
   fp32 logits at long context; ``loss_chunk_tokens=0`` uses the HF forward's full logits instead;
 * batches: ``prepare_step`` derives labels, shifts them, counts the step's labelled tokens and splits
   the batch into micro-batches;
-* memory: ``HostMemorySampler`` (peak RSS from a background thread), GPU peaks from torch's allocator,
+* memory: ``baselines.monitor.Monitor`` (peak RSS from a background thread), GPU peaks from torch's allocator,
   pinned bytes from torch's caching host allocator;
 * failure: running out of GPU or host memory surfaces as ``OutOfMemory(kind="gpu"|"host")``, raised
   from ``build``/``step`` (``oom_guard``), so a runner records a status instead of crashing;
@@ -22,7 +22,6 @@ from __future__ import annotations
 import gc
 import os
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .monitor import Monitor
+from .oom import OutOfMemory, classify_oom, oom_guard  # noqa: F401  (re-exported)
 from megatrain.system import (IGNORE_INDEX, MemoryStats, OptimConfig, StepResult, labels_from_batch,
                               shift_labels, split_micro_batches)
 
@@ -41,105 +42,7 @@ COMMON_OPTIONS = {
 }
 
 
-# -- out of memory --------------------------------------------------------------------------------
-class OutOfMemory(Exception):
-    """A system ran out of GPU (``kind="gpu"``) or host (``kind="host"``) memory in build or step.
-
-    Raised ``from None`` with the original exception's traceback dropped, so the frames (and the
-    tensors they hold) can be freed before the runner calls ``close()``; ``detail`` keeps the original's
-    type and message. A host OOM that the kernel answers with SIGKILL cannot be caught in-process: run
-    each system in a subprocess and treat exit code -9 / 137 as ``host``.
-    """
-
-    def __init__(self, kind: str, detail: str = "", system: str | None = None, phase: str | None = None):
-        if kind not in ("gpu", "host"):
-            raise ValueError(f"OutOfMemory kind must be 'gpu' or 'host', got {kind!r}")
-        self.kind, self.detail, self.system, self.phase = kind, detail, system, phase
-        where = " ".join(x for x in (system, phase) if x)
-        super().__init__(f"{kind} out of memory{f' ({where})' if where else ''}: {detail}")
-
-
-_HOST_OOM_MARKERS = ("DefaultCPUAllocator: can't allocate memory", "Cannot allocate memory", "std::bad_alloc",
-                     "CPU out of memory", "not enough memory: you tried to allocate")
-_GPU_OOM_MARKERS = ("CUDA out of memory", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED",
-                    "cudaErrorMemoryAllocation", "out of memory on device")
-
-
-def classify_oom(exc: BaseException) -> str | None:
-    """"gpu", "host" or None (not an out-of-memory error)."""
-    if isinstance(exc, OutOfMemory):
-        return exc.kind
-    oom_type = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
-    if isinstance(exc, oom_type):
-        return "gpu"
-    if isinstance(exc, MemoryError):
-        return "host"
-    if isinstance(exc, RuntimeError):
-        msg = str(exc)
-        if any(m in msg for m in _HOST_OOM_MARKERS):
-            return "host"
-        if any(m in msg for m in _GPU_OOM_MARKERS):
-            return "gpu"
-    return None
-
-
-class oom_guard:
-    """``with oom_guard(system, phase):`` turns out-of-memory errors raised inside into ``OutOfMemory``
-    (``raise ... from None``, the original's traceback dropped so the frames and the tensors they hold
-    can be freed); any other exception passes through unchanged."""
-
-    def __init__(self, system: str | None = None, phase: str | None = None):
-        self.system, self.phase = system, phase
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc is None or isinstance(exc, OutOfMemory):
-            return False
-        kind = classify_oom(exc)
-        if kind is None:
-            return False
-        detail = f"{type(exc).__name__}: {str(exc)[:2000]}"
-        exc.__traceback__ = None
-        del tb
-        gc.collect()
-        raise OutOfMemory(kind, detail, system=self.system, phase=self.phase) from None
-
-
 # -- memory accounting ----------------------------------------------------------------------------
-class HostMemorySampler:
-    """Peak resident set size of this process, sampled by a daemon thread every ``interval_s``."""
-
-    def __init__(self, interval_s: float = 0.02):
-        import psutil
-
-        self._proc = psutil.Process()
-        self.peak = self._proc.memory_info().rss
-        self._stop = threading.Event()
-        self._interval = interval_s
-        self._thread = threading.Thread(target=self._run, name="host-rss-sampler", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            self.sample()
-
-    def sample(self) -> int:
-        try:
-            rss = self._proc.memory_info().rss
-        except Exception:  # process teardown
-            return self.peak
-        if rss > self.peak:
-            self.peak = rss
-        return rss
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=1.0)
-
-
 def pinned_host_bytes() -> int:
     """Peak bytes held by torch's pinned (caching host) allocator, -1 where unknown. Covers
     ``tensor.pin_memory()`` / ``pin_memory=True`` allocations (DeepSpeed, FSDP2 and Gemini use those)."""
@@ -386,11 +289,25 @@ def clip_norm(optim: OptimConfig) -> float:
 
 # -- base class ------------------------------------------------------------------------------------
 class BaselineSystem:
-    """What the adapters share: device, info, memory peaks, timing, OOM mapping, close."""
+    """What the adapters share: options checking, device, info, memory peaks, timing, OOM mapping, close.
+
+    An adapter sets ``name``, ``OPTIONS`` (its defaults, ``COMMON_OPTIONS`` included) and ``CHOICES``
+    (option -> allowed values), and implements ``_build(init_dir, opts, dtype, activation_checkpointing)``
+    and ``_step(batch, t0)``. The constructor checks the options, builds, records the build's memory
+    peaks, and closes a half-built system before re-raising."""
 
     name = "baseline"
+    OPTIONS: dict = COMMON_OPTIONS
+    CHOICES: dict = {}
 
-    def __init__(self, device, optim: OptimConfig, micro_batches: int):
+    def __init__(self, *, init_dir, optim: OptimConfig, micro_batches: int = 1, device: str = "cuda",
+                 dtype: torch.dtype = torch.bfloat16, activation_checkpointing: bool = True,
+                 options: dict | None = None):
+        opts = check_options(self.name, options, self.OPTIONS)
+        for key, allowed in self.CHOICES.items():
+            if opts[key] not in allowed:
+                raise ValueError(f"{self.name} {key} must be one of {', '.join(map(str, allowed))}, got {opts[key]!r}")
+        self._check_device(torch.device(device), dtype)
         check_optim(optim)
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
@@ -402,6 +319,7 @@ class BaselineSystem:
         self.steps_done = 0
         self._owns_process_group = False
         self._closed = False
+        self.model = self.optimizer = self.scheduler = None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             reset_host = getattr(torch.cuda, "reset_peak_host_memory_stats", None)
@@ -410,19 +328,45 @@ class BaselineSystem:
                     reset_host()
                 except Exception:
                     pass
-        self._sampler = HostMemorySampler()
+        self._sampler = Monitor(interval=0.02, gpu=False).start()
+        try:
+            self._build(init_dir, opts, dtype, activation_checkpointing)
+            self._finish_build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_device(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Refuse a device/dtype the system cannot run on, before anything is allocated."""
+
+    def _build(self, init_dir, opts: dict, dtype: torch.dtype, activation_checkpointing: bool) -> None:
+        raise NotImplementedError
 
     def _finish_build(self) -> None:
         """Record the build's peaks (loading weights, partitioning, chunking are transient) and restart
         peak tracking, so ``memory()`` reports training: resident state plus the steps' transients."""
         self._sampler.sample()
-        self.build_memory = {"build_host_rss_peak": self._sampler.peak}
-        self._sampler.peak = self._sampler.sample()
+        self.build_memory = {"build_host_rss_peak": self._sampler.peak_rss}
+        self._sampler.reset_peak()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.build_memory["build_gpu_peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
             self.build_memory["build_gpu_peak_reserved"] = torch.cuda.max_memory_reserved(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _clip_and_update(self, total, tokens: int, lr: float, t0: float) -> StepResult:
+        """Global grad-norm clipping (DTensor-aware; no clipping without a threshold), AdamW step, LR
+        schedule step, gradients freed; the step's result. For adapters driving a torch optimizer."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = clip_norm(self.optim)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_value, norm_value = float(total), float(norm)
+        return StepResult(loss=loss_value, tokens=tokens, step_time_s=self.elapsed(t0), lr=lr, grad_norm=norm_value)
 
     def lr_for_step(self, step: int) -> float:
         return self.optim.lr_at(step)
@@ -447,7 +391,7 @@ class BaselineSystem:
 
     def memory(self) -> MemoryStats:
         self._sampler.sample()
-        stats = MemoryStats(host_rss=self._sampler.peak, host_pinned=pinned_host_bytes(),
+        stats = MemoryStats(host_rss=self._sampler.peak_rss, host_pinned=pinned_host_bytes(),
                             extra={"system": self.name, **self.build_memory})
         if self.device.type == "cuda":
             stats.gpu_peak_allocated = torch.cuda.max_memory_allocated(self.device)

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from megatrain.system import OptimConfig, StepResult, lr_multiplier
+from megatrain.system import StepResult, lr_multiplier
 
-from .common import (COMMON_OPTIONS, BaselineSystem, CausalLMLoss, build_guarded, check_options, clip_norm,
+from .common import (COMMON_OPTIONS, BaselineSystem, CausalLMLoss, build_guarded,
                      enable_activation_checkpointing, ensure_process_group, load_hf_model, prepare_step)
 
 OPTIONS = dict(
@@ -48,20 +48,8 @@ def probe_fused_adamw(mesh, device_type: str) -> bool:
 class FSDPSystem(BaselineSystem):
     name = "fsdp"
 
-    def __init__(self, *, init_dir, optim: OptimConfig, micro_batches: int = 1, device: str = "cuda",
-                 dtype: torch.dtype = torch.bfloat16, activation_checkpointing: bool = True,
-                 options: dict | None = None):
-        opts = check_options(self.name, options, OPTIONS)
-        if opts["optimizer"] not in ("auto", "fused", "foreach"):
-            raise ValueError(f"fsdp optimizer must be auto, fused or foreach, got {opts['optimizer']!r}")
-        super().__init__(device, optim, micro_batches)
-        self.model = self.optimizer = self.scheduler = None
-        try:
-            self._build(init_dir, opts, dtype, activation_checkpointing)
-            self._finish_build()
-        except BaseException:
-            self.close()
-            raise
+    OPTIONS = OPTIONS
+    CHOICES = {"optimizer": ("auto", "fused", "foreach")}
 
     def _build(self, init_dir, opts, dtype, activation_checkpointing) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -108,6 +96,8 @@ class FSDPSystem(BaselineSystem):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_multiplier(s, o.warmup_steps, o.total_steps, o.min_lr_ratio))
         self.info.update(system=self.name, optimizer=f"torch.AdamW({impl})", optimizer_device=param_device,
+                         settings={"cpu_offload": offload, "reshard_after_forward": bool(opts["reshard_after_forward"]),
+                                   "optimizer": impl, "activation_checkpointing": bool(activation_checkpointing)},
                          cpu_offload=offload, compute_dtype=str(compute).replace("torch.", ""),
                          reshard_after_forward=bool(opts["reshard_after_forward"]),
                          activation_checkpointing=bool(activation_checkpointing), options=opts)
@@ -120,16 +110,7 @@ class FSDPSystem(BaselineSystem):
             loss = self.model(**mb.inputs, denom=denom)
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = clip_norm(self.optim)
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_value, norm_value = float(total), float(norm)
-        return StepResult(loss=loss_value, tokens=tokens, step_time_s=self.elapsed(t0), lr=lr, grad_norm=norm_value)
+        return self._clip_and_update(total, tokens, lr, t0)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """HF-named fp32 weights gathered to CPU (for parity tests; small models only)."""

@@ -38,7 +38,7 @@ import torch
 
 from megatrain.system import OptimConfig, StepResult
 
-from .common import (COMMON_OPTIONS, BaselineSystem, CausalLMLoss, build_guarded, check_options, clip_norm,
+from .common import (COMMON_OPTIONS, BaselineSystem, CausalLMLoss, build_guarded, clip_norm,
                      enable_activation_checkpointing, fp32_rotary_buffers, load_hf_model,
                      non_fp32_float_buffers, prepare_step, read_hf_config, set_single_process_env)
 
@@ -196,24 +196,15 @@ def patch_bf16_clipping(adam) -> None:
 class GeminiSystem(BaselineSystem):
     name = "gemini"
 
-    def __init__(self, *, init_dir, optim: OptimConfig, micro_batches: int = 1, device: str = "cuda",
-                 dtype: torch.dtype = torch.bfloat16, activation_checkpointing: bool = True,
-                 options: dict | None = None):
-        opts = check_options(self.name, options, OPTIONS)
-        if opts["optimizer"] not in ("auto", "hybrid_adam", "torch_adamw"):
-            raise ValueError(f"gemini optimizer must be auto, hybrid_adam or torch_adamw, got {opts['optimizer']!r}")
-        if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+    OPTIONS = OPTIONS
+    CHOICES = {"optimizer": ("auto", "hybrid_adam", "torch_adamw")}
+    booster = plugin = None
+
+    def _check_device(self, device, dtype) -> None:
+        if device.type != "cuda" or not torch.cuda.is_available():
             raise RuntimeError("Gemini needs CUDA: ColossalAI's chunk manager, its CUDA streams and HybridAdam "
-                               f"run only on a GPU (device={device!r}, CUDA available: {torch.cuda.is_available()})")
+                               f"run only on a GPU (device={str(device)!r}, CUDA available: {torch.cuda.is_available()})")
         precision_name(dtype)
-        super().__init__(device, optim, micro_batches)
-        self.booster = self.plugin = self.model = self.optimizer = None
-        try:
-            self._build(init_dir, opts, dtype, activation_checkpointing)
-            self._finish_build()
-        except BaseException:
-            self.close()
-            raise
 
     def _build(self, init_dir, opts, dtype, activation_checkpointing) -> None:
         import torch.distributed as dist
@@ -266,6 +257,7 @@ class GeminiSystem(BaselineSystem):
         self.info.update(system=self.name, optimizer="HybridAdam" if kind == "hybrid_adam" else
                          "HybridAdam without kernels (torch update path)", stubbed_modules=stubbed,
                          colossalai_version=getattr(colossalai, "__version__", "?"), plugin=plugin_kwargs,
+                         settings=plugin_kwargs,
                          rotary_buffers_rebuilt_fp32=fixed, non_fp32_buffers=non_fp32_float_buffers(inner),
                          bf16_clipping_fixed=bool(opts["fix_bf16_clipping"]),
                          compute_dtype=str(dtype).replace("torch.", ""),

@@ -1,37 +1,55 @@
-"""The MegaTrain engine behind the shared TrainSystem interface (what the runner and baselines see)."""
+"""The MegaTrain engine behind the shared TrainSystem interface (what the runner and baselines see).
+
+``options`` are ``megatrain.config.EngineConfig`` fields, as they are: the runner's hydra schema of this
+system *is* EngineConfig, so an option goes from the command line (``system.options.gpu_resident=0``)
+through the job into ``EngineConfig(**options)`` unchanged. The fields the runner sets for every system
+(device, micro_batches, optim) come as arguments, not options.
+"""
 from __future__ import annotations
 
-import torch
+import dataclasses
 
 from megatrain.config import EngineConfig
-from megatrain.engine import MegaTrain
 from megatrain.system import MemoryStats, OptimConfig, StepResult
 
-# Keys of ``options`` that map onto EngineConfig fields (the ablation switches among them).
-ENGINE_OPTIONS = ("num_slots", "checkpoint_interval", "grad_slabs", "overlap_optimizer", "stream_dtype",
-                  "loss_chunk_tokens", "pin_memory", "host_margin_gib", "seed")
+# EngineConfig fields that are run-level (the same for every system), not options of this system.
+RUN_LEVEL = ("device", "compute_dtype", "micro_batches", "optim")
+OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name not in RUN_LEVEL)
+
+
+def engine_config(options: dict | None, *, optim: OptimConfig, micro_batches: int, device: str,
+                  compute_dtype: str = "auto") -> EngineConfig:
+    """``EngineConfig`` of the options plus the run-level fields; unknown or run-level keys raise."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown megatrain options {unknown}; valid: {', '.join(OPTIONS)}")
+    return EngineConfig(device=device, compute_dtype=compute_dtype, micro_batches=micro_batches, optim=optim,
+                        **options)
 
 
 class MegaTrainSystem:
     name = "megatrain"
 
     def __init__(self, *, init_dir, optim: OptimConfig, micro_batches: int = 1, device: str = "cuda",
-                 dtype: torch.dtype = torch.bfloat16, activation_checkpointing: bool = True,
-                 options: dict | None = None):
-        options = dict(options or {})
-        unknown = sorted(set(options) - set(ENGINE_OPTIONS))
-        if unknown:
-            raise ValueError(f"unknown megatrain options {unknown}; valid: {', '.join(ENGINE_OPTIONS)}")
+                 dtype=None, activation_checkpointing: bool = True, options: dict | None = None):
+        import torch
+
+        from megatrain.engine import MegaTrain
+
         # Activation checkpointing is intrinsic to the engine (block recompute); the flag is accepted for
         # interface symmetry and K comes from options["checkpoint_interval"].
+        dtype = torch.bfloat16 if dtype is None else dtype
         compute = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[dtype]
-        cfg = EngineConfig(device=device, compute_dtype=compute if device != "cpu" else "fp32",
-                           micro_batches=micro_batches, optim=optim, **options)
+        cfg = engine_config(options, optim=optim, micro_batches=micro_batches, device=device,
+                            compute_dtype=compute if device != "cpu" else "fp32")
         self.engine = MegaTrain.from_pretrained(str(init_dir), cfg)
         self.info = {"host_estimate_bytes": self.engine.host_estimate["total_bytes"],
-                     "pool_slots": self.engine.num_pool_slots, "config": cfg.to_dict()}
+                     "pool_slots": self.engine.num_pool_slots, "config": cfg.to_dict(),
+                     "optimizer": "megatrain host AdamW (torch._fused_adamw_)",
+                     "settings": {k: v for k, v in cfg.to_dict().items() if k in OPTIONS and k != "seed"}}
 
-    def step(self, batch: dict[str, torch.Tensor]) -> StepResult:
+    def step(self, batch) -> StepResult:
         return self.engine.step(batch)
 
     def memory(self) -> MemoryStats:

@@ -11,9 +11,9 @@ import contextlib
 
 import torch
 
-from megatrain.system import OptimConfig, StepResult, lr_multiplier
+from megatrain.system import StepResult, lr_multiplier
 
-from .common import (COMMON_OPTIONS, BaselineSystem, CausalLMLoss, build_guarded, check_options, clip_norm,
+from .common import (COMMON_OPTIONS, BaselineSystem, CausalLMLoss, build_guarded,
                      enable_activation_checkpointing, load_hf_model, prepare_step)
 
 OPTIONS = dict(COMMON_OPTIONS, fused_adamw=None)  # fused_adamw: None = fused on CUDA, foreach on CPU
@@ -22,33 +22,27 @@ OPTIONS = dict(COMMON_OPTIONS, fused_adamw=None)  # fused_adamw: None = fused on
 class NativeSystem(BaselineSystem):
     name = "native"
 
-    def __init__(self, *, init_dir, optim: OptimConfig, micro_batches: int = 1, device: str = "cuda",
-                 dtype: torch.dtype = torch.bfloat16, activation_checkpointing: bool = True,
-                 options: dict | None = None):
-        opts = check_options(self.name, options, OPTIONS)
-        super().__init__(device, optim, micro_batches)
-        self.model = self.optimizer = self.scheduler = None
-        try:
-            on_cuda = self.device.type == "cuda"
-            self.autocast_dtype = dtype if (on_cuda and dtype != torch.float32) else None
-            lm = load_hf_model(init_dir, opts["attn_implementation"])
-            if activation_checkpointing:
-                enable_activation_checkpointing(lm)
-            self.model = CausalLMLoss(lm, opts["loss_chunk_tokens"]).to(self.device)
-            fused = on_cuda if opts["fused_adamw"] is None else bool(opts["fused_adamw"])
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=tuple(optim.betas),
-                                               eps=optim.eps, weight_decay=optim.weight_decay,
-                                               **({"fused": True} if fused else {}))
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer,
-                lambda s: lr_multiplier(s, optim.warmup_steps, optim.total_steps, optim.min_lr_ratio))
-            self.info.update(system=self.name, optimizer="torch.AdamW(fused)" if fused else "torch.AdamW",
-                             compute_dtype=str(self.autocast_dtype or torch.float32).replace("torch.", ""),
-                             activation_checkpointing=bool(activation_checkpointing), options=opts)
-            self._finish_build()
-        except BaseException:
-            self.close()
-            raise
+    OPTIONS = OPTIONS
+
+    def _build(self, init_dir, opts, dtype, activation_checkpointing) -> None:
+        optim = self.optim
+        on_cuda = self.device.type == "cuda"
+        self.autocast_dtype = dtype if (on_cuda and dtype != torch.float32) else None
+        lm = load_hf_model(init_dir, opts["attn_implementation"])
+        if activation_checkpointing:
+            enable_activation_checkpointing(lm)
+        self.model = CausalLMLoss(lm, opts["loss_chunk_tokens"]).to(self.device)
+        fused = on_cuda if opts["fused_adamw"] is None else bool(opts["fused_adamw"])
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=tuple(optim.betas),
+                                           eps=optim.eps, weight_decay=optim.weight_decay,
+                                           **({"fused": True} if fused else {"foreach": True}))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: lr_multiplier(s, optim.warmup_steps, optim.total_steps, optim.min_lr_ratio))
+        self.info.update(system=self.name, optimizer="torch.AdamW(fused)" if fused else "torch.AdamW(foreach)",
+                         settings={"fused_adamw": fused, "activation_checkpointing": bool(activation_checkpointing)},
+                         compute_dtype=str(self.autocast_dtype or torch.float32).replace("torch.", ""),
+                         activation_checkpointing=bool(activation_checkpointing), options=opts)
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -64,17 +58,7 @@ class NativeSystem(BaselineSystem):
                 loss = self.model(**mb.inputs, denom=denom)
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = clip_norm(self.optim)
-        if max_norm:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_value, norm_value = float(total), float(norm)
-        return StepResult(loss=loss_value, tokens=tokens, step_time_s=self.elapsed(t0), lr=lr, grad_norm=norm_value)
+        return self._clip_and_update(total, tokens, lr, t0)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """HF-named fp32 weights (CPU copies), for parity tests."""

@@ -1,21 +1,19 @@
 """Typed configuration of the sweep runner (hydra structured configs).
 
-The YAML files under ``experiments/conf/`` are the options of four config groups; the dataclasses here
-are their schemas, registered in hydra's ConfigStore (``run_schema`` for the primary config and
-``schema/<group>/...`` for the groups), so a misspelt key fails at once instead of being ignored:
+The schemas are the engine's own dataclasses wherever the engine has one, so nothing is declared twice:
 
-* ``sweep``    (``SweepConfig``, files ``conf/sweep/*.yaml``, package ``_global_``): which systems and
-  which axis values; a sweep file may also set run-level defaults (steps, batch_size, model, ...),
-  which command-line overrides still beat.
-* ``model``    (``ModelConfig``): a ``megatrain.spec.PRESETS`` name plus ``depth`` (layer count) and
-  ``width`` (multiplier of hidden and FFN size).
-* ``system``   (``SystemConfig``; megatrain: ``MegatrainSystemConfig``): unset by default, meaning "every
-  system the sweep lists"; ``system=<name>`` runs the sweep with that one system and lets its options be
-  overridden (``system.options.num_slots=1``).
-* ``hardware`` (``HardwareConfig``): ``real`` (default) or an emulated profile (GPU memory cap + the peak
-  TFLOPS used for MFU).
+* ``system=megatrain``: ``options`` *is* ``megatrain.config.EngineConfig`` (``system.options.gpu_resident=0``
+  reaches ``EngineConfig.gpu_resident`` unchanged; its run-level fields, device, compute_dtype,
+  micro_batches, optim and max_position_embeddings, are set by the runner for every system alike);
+* ``optim``: ``megatrain.system.OptimConfig`` (``optim.lr=3e-4``), the same for every system;
+* ``model``: one option per ``megatrain.spec.PRESETS`` entry, registered here from the presets
+  (``model=qwen2.5-14b model.depth=8``): the presets are the one record of a model family;
+* ``sweep``  (``SweepConfig``, files ``conf/sweep/*.yaml``, package ``_global_``): which systems and
+  which axis values; a sweep file may also set run-level defaults, which command-line overrides beat;
+* ``hardware`` (``HardwareConfig``): ``real`` or an emulated profile (GPU memory cap + peak TFLOPS).
 
-This module imports neither torch nor megatrain.
+Systems are described once, in ``baselines.registry.SYSTEM_RECORDS``. This module imports neither torch
+nor the engine (``megatrain.config`` and ``megatrain.system`` are torch-free dataclasses).
 """
 from __future__ import annotations
 
@@ -26,13 +24,18 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
-# Peak dense bf16 TFLOPS used for MFU, by substring of the GPU name (first match wins).
+from megatrain.config import EngineConfig
+from megatrain.system import OptimConfig
+
+# Peak dense bf16 TFLOPS used for MFU, by substring of the GPU name (first match wins). The one copy.
 PEAK_TFLOPS: dict[str, float] = {
     "H200": 797.5,  # measured on our H200 (dense bf16 matmul), not the datasheet's 989
     "A100": 312.0,
     "A6000": 154.8,
     "3090": 142.0,
 }
+H200_PEAK_TFLOPS = PEAK_TFLOPS["H200"]
+HARDWARE_ORDER = ("H200", "A100-80GB", "RTX-A6000-48GB", "RTX-3090-24GB")  # figure/table order
 
 
 def peak_tflops_for(gpu_name: str | None) -> float | None:
@@ -54,23 +57,9 @@ class ModelConfig:
 
 
 @dataclass
-class MegatrainOptions:
-    """Engine knobs passed as ``options`` to the megatrain system; defaults mirror
-    ``megatrain.config.EngineConfig`` (a test keeps them equal)."""
-
-    num_slots: int = 2  # 2 = double buffering; 1 = synchronous (ablation)
-    checkpoint_interval: int = 1  # K layers per checkpoint block; 0 = all layers
-    grad_slabs: int = 4  # pinned gradient slabs; 0 = slab pool off (ablation)
-    overlap_optimizer: bool = True  # CPU AdamW overlapped with the next forward
-    stream_dtype: str = "fp32"  # what crosses PCIe: "fp32" master or a pinned "bf16" shadow
-    loss_chunk_tokens: int = 4096
-    pin_memory: bool = True
-    host_margin_gib: float = 2.0
-
-
-@dataclass
 class SystemConfig:
-    """One training system. ``options`` go to ``baselines.registry.build_system(name, options=...)``.
+    """One training system (described in ``baselines.registry.SYSTEM_RECORDS``). ``options`` go to its
+    builder as they are.
 
     ``factory`` ("package.module:callable" or "/path/file.py:callable") replaces the registry for this
     system: it is called with the registry's keyword arguments plus ``name``. Used by the tests' fake
@@ -85,12 +74,14 @@ class SystemConfig:
 @dataclass
 class MegatrainSystemConfig(SystemConfig):
     name: str = "megatrain"
-    options: MegatrainOptions = field(default_factory=MegatrainOptions)  # type: ignore[assignment]
+    options: EngineConfig = field(default_factory=EngineConfig)  # type: ignore[assignment]
 
 
 # Systems whose options have a typed schema (unknown option keys fail at composition / expansion).
 SYSTEM_SCHEMAS: dict[str, type] = {"megatrain": MegatrainSystemConfig}
-SYSTEM_OPTION_SCHEMAS: dict[str, type] = {"megatrain": MegatrainOptions}
+SYSTEM_OPTION_SCHEMAS: dict[str, type] = {"megatrain": EngineConfig}
+# EngineConfig fields the runner sets for every system alike (not options of one system).
+RUN_LEVEL_ENGINE_FIELDS = ("device", "compute_dtype", "micro_batches", "optim", "max_position_embeddings")
 
 
 @dataclass
@@ -104,18 +95,6 @@ class HardwareConfig:
     peak_tflops: Optional[float] = None  # None = look the real GPU up in PEAK_TFLOPS
     emulated: bool = False
     description: str = ""
-
-
-@dataclass
-class OptimSettings:
-    """AdamW settings shared by every system (``megatrain.system.OptimConfig``)."""
-
-    lr: float = 1e-5
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    max_grad_norm: Optional[float] = 1.0
-    lr_warmup_steps: int = 0  # LR schedule warmup (not the runner's measurement warmup)
 
 
 @dataclass
@@ -149,12 +128,16 @@ class RunConfig:
     model: ModelConfig = MISSING
     hardware: HardwareConfig = MISSING
     system: Optional[SystemConfig] = None  # null: all systems of the sweep
-    optim: OptimSettings = field(default_factory=OptimSettings)
+    optim: OptimConfig = field(default_factory=OptimConfig)  # every system's AdamW (megatrain.system)
     steps: int = 5  # measured steps per point
-    warmup_steps: int = 2  # steps run first and excluded from the statistics
+    warmup_steps: int = 2  # steps run first and excluded from the statistics (not optim.warmup_steps)
     batch_size: int = 8
     seq_len: int = 1024
     micro_batches: int = 1
+    # EngineConfig.max_position_embeddings for every system (0 = the model's own): written into the
+    # model config all systems load, so each gets the same positions.
+    max_position_embeddings: int = 0
+    gpus: int = 1  # processes per node; > 1 only for systems whose record supports it
     seed: int = 0  # initial weights and synthetic data
     timeout_s: float = 1800.0  # per point (the training process; init weights have their own)
     init_timeout_s: float = 3600.0  # writing a model's initial weights into the cache
@@ -162,7 +145,11 @@ class RunConfig:
     # left); a rerun continues with the rest. For wrappers that kill long commands. None = no budget.
     time_budget_s: Optional[float] = None
     redo: bool = False  # re-run points already recorded as ok/skipped (failed ones are always re-run)
-    results_dir: str = "results"
+    # Where rows, per-point folders, figures and REPORT.md go. None: runs/<machine>/ (per machine, git-
+    # ignored), so a run never touches the committed results/; results_dir=results only when asked.
+    results_dir: Optional[str] = None
+    # Append to a results CSV that holds rows measured on another machine (refused by default).
+    mix_machines: bool = False
     cache_dir: Optional[str] = None  # initial weights; None: $MEGATRAIN_CACHE or <results_dir>/.init_cache
     device: str = "auto"  # auto: cuda if available else cpu
     # CPU threads of torch in the point process (OMP_NUM_THREADS + torch.set_num_threads); None = torch's
@@ -172,9 +159,9 @@ class RunConfig:
     dtype: str = "auto"  # compute dtype: auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32
     only: List[str] = field(default_factory=list)  # fnmatch patterns on point ids; empty = all points
     dry_run: bool = False  # list the points (and what a run would do with each) and exit
-    # After the sweep: regenerate the figures (plots_dir) and <results_dir>/REPORT.md from all CSVs.
+    # After the sweep: figures (plots_dir) and <results_dir>/REPORT.md from the CSVs of results_dir.
     post: bool = True
-    plots_dir: Optional[str] = None  # None: "plots" beside results_dir (results/ -> plots/)
+    plots_dir: Optional[str] = None  # None: <results_dir>/plots (results/ -> plots/ for the committed ones)
 
 
 GROUP_SCHEMAS: dict[str, type] = {
@@ -186,8 +173,10 @@ GROUP_SCHEMAS: dict[str, type] = {
 
 
 def register() -> None:
-    """Put the schemas into hydra's ConfigStore (idempotent)."""
+    """Put the schemas and the model presets into hydra's ConfigStore (idempotent)."""
     from hydra.core.config_store import ConfigStore
+
+    from megatrain.spec import PRESETS
 
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
@@ -195,6 +184,8 @@ def register() -> None:
         cs.store(group=f"schema/{group}", name="base", node=node)
     for name, node in SYSTEM_SCHEMAS.items():
         cs.store(group="schema/system", name=name, node=node)
+    for name in PRESETS:
+        cs.store(group="model", name=name, node=ModelConfig(name=name))
 
 
 register()

@@ -14,6 +14,8 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
+from baselines.monitor import nvml_handle
+
 GIB = 2**30
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,17 +60,6 @@ def nvml():
     finally:
         with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
-
-
-def nvml_handle(pynvml, index: int | None = None):
-    """Handle of the GPU this process uses: ``index`` or the first of ``CUDA_VISIBLE_DEVICES``
-    (an index or a UUID), else GPU 0."""
-    if index is None:
-        first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-        if first and not first.lstrip("-").isdigit():
-            return pynvml.nvmlDeviceGetHandleByUUID(first)
-        index = int(first) if first.isdigit() else 0
-    return pynvml.nvmlDeviceGetHandleByIndex(index)
 
 
 def _text(value) -> str:

@@ -9,8 +9,11 @@
 
 Every point runs in its own process (``experiments.point``) with a timeout; its row is appended to
 ``<results_dir>/<sweep>/results.csv`` as soon as it ends, whatever happened (ok, skipped, gpu_oom,
-host_oom, timeout, error), and the sweep goes on. A rerun skips points whose last row is ok/skipped
-(``redo=true`` re-runs them) and retries the others. See docs/runner.md.
+host_oom, timeout, error), and the sweep goes on. ``results_dir`` defaults to ``runs/<machine>/``: a run
+never writes into the committed ``results/`` unless asked (``results_dir=results``), and never appends to
+a CSV measured on another machine. Every point is validated before the first one starts. A rerun skips
+points whose last row is ok/skipped (``redo=true`` re-runs them) and retries the others. Exit status 1
+when no point succeeded. See docs/runner.md.
 """
 from __future__ import annotations
 
@@ -22,20 +25,60 @@ from pathlib import Path
 import hydra
 from omegaconf import OmegaConf
 
+from baselines.registry import record
+
 from . import config as C  # registers the schemas in hydra's ConfigStore
 from . import schema
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 TABLE_COLUMNS = ["point", "status", "step_time_median_s", "tokens_per_s", "tflops", "mfu",
                  "gpu_peak_allocated_gib", "host_peak_rss_gib", "host_bytes_per_param", "error"]
 
 
 def resolve_device(device: str) -> str:
-    if device != "auto":
+    """``auto`` -> cuda if a GPU is usable, else cpu; ``cuda`` without a GPU is refused (SweepError)."""
+    from .sweeps import SweepError
+
+    if device != "auto" and not device.startswith("cuda"):
         return device
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.cuda.is_available():
+        return "cuda" if device == "auto" else device
+    if device == "auto":
+        return "cpu"
+    raise SweepError(f"device={device} but this machine has no usable CUDA GPU (torch {torch.__version__}, "
+                     f"CUDA build: {torch.version.cuda or 'none'}); use device=cpu or device=auto")
+
+
+def machine_label(device: str, gpu_name: str) -> str:
+    """``<hardware>-<host>``: the folder a run on this machine writes to by default (runs/<label>/)."""
+    import platform
+
+    from .envinfo import short_gpu_name
+    from .schema import sanitize
+
+    hw = "cpu" if device == "cpu" else (short_gpu_name(gpu_name) if gpu_name else "gpu")
+    return sanitize(f"{hw}-{platform.node() or 'host'}")
+
+
+def results_root(cfg, device: str, gpu_name: str) -> Path:
+    return Path(cfg.results_dir) if cfg.results_dir else Path("runs") / machine_label(device, gpu_name)
+
+
+def check_same_machine(csv_path: Path, gpu_name: str, allow: bool) -> None:
+    """Refuse to append to a results CSV measured on another GPU/CPU (e.g. CPU rows into the committed
+    H200 results), unless ``mix_machines=true``."""
+    from .sweeps import SweepError
+
+    if allow or schema.read_header(csv_path) is None:
+        return
+    theirs = sorted({g for g in schema.read_results(csv_path)["gpu_name"] if g} - {gpu_name})
+    if theirs:
+        raise SweepError(f"{csv_path} holds rows measured on {', '.join(theirs)}; this machine is "
+                         f"{gpu_name or '?'}. Leave results_dir unset (runs/<machine>/), pick another one, or "
+                         f"pass mix_machines=true to add to it on purpose")
 
 
 def hydra_option_loader():
@@ -72,7 +115,9 @@ def _table(df) -> str:
 
     if df.empty:
         return "(no rows)"
-    t = df[TABLE_COLUMNS].copy()
+    gpu_only = ("tflops", "mfu", "gpu_peak_allocated_gib")
+    cols = [c for c in TABLE_COLUMNS if not ((df["hardware"] == "cpu").all() and c in gpu_only)]
+    t = df[cols].copy()
     t["error"] = t["error"].fillna("").astype(str).str.slice(0, 60)
     with pd.option_context("display.width", 250, "display.max_columns", 20, "display.max_colwidth", 70):
         return t.to_string(index=False, float_format=lambda x: f"{x:.4g}", na_rep="")
@@ -82,69 +127,70 @@ def run(cfg) -> dict:
     """Run the sweep described by the composed config; returns counters (also printed)."""
     from tqdm import tqdm
 
-    from . import envinfo, point as P, sweeps
+    from megatrain.memory import available_host_bytes
+
+    from . import cache as K, envinfo, launch as L, sweeps
 
     t_start = time.time()
     device = resolve_device(cfg.device)
     env = envinfo.collect(device)
-    points = sweeps.expand(cfg, hydra_option_loader(), device=device, gpu_name=env["gpu_name"])
-    out = (Path(cfg.results_dir) / cfg.sweep.name).resolve()
+    jobs = sweeps.expand(cfg, hydra_option_loader(), device=device, gpu_name=env["gpu_name"])
+    sweeps.validate(jobs)  # every point checked before anything runs
+    results = results_root(cfg, device, env["gpu_name"])
+    out = (results / cfg.sweep.name).resolve()
     csv_path = out / "results.csv"
     schema.check_header(csv_path)  # refuse before running anything
-    cache = P.cache_root(cfg.results_dir, cfg.cache_dir)
+    check_same_machine(csv_path, env["gpu_name"], cfg.mix_machines)
+    cache = K.cache_root(results, cfg.cache_dir)
     status = schema.point_status(csv_path)
     run_cfg = OmegaConf.to_container(cfg, resolve=True)
 
-    print(f"sweep {cfg.sweep.name}: {len(points)} point(s) on {device}"
+    print(f"sweep {cfg.sweep.name}: {len(jobs)} point(s) on {device}"
           f"{' (' + env['gpu_name'] + ')' if env['gpu_name'] and device != 'cpu' else ''}; "
           f"results in {csv_path}", flush=True)
+    for job in jobs:
+        job.point_dir, job.cache_dir = str(out / job.id), str(cache)
+        job.init_dir = str(K.init_paths(job.spec, job.seed, cache)[1])
+        est = sweeps.host_estimate(job, device)
+        job.host_estimate_bytes = est["total_bytes"] if est else None
     if cfg.dry_run:
-        from megatrain.memory import available_host_bytes
-
         avail = available_host_bytes()
-        for p in points:
-            prev = status.get(p.id)
+        for job in jobs:
+            prev = status.get(job.id)
             if prev in schema.DONE_STATUSES and not cfg.redo:
                 action = f"done ({prev})"
             else:
-                est = sweeps.host_estimate(p, device)
-                action = sweeps.skip_reason(p, device=device, available_host=avail,
+                est = sweeps.host_estimate(job, device)
+                action = sweeps.skip_reason(job, device=device, available_host=avail,
                                             gpu_total=env.get("gpu_total_bytes"), estimate=est) or "run"
-                if est and action == "run" and p.system not in sweeps.ON_GPU_SYSTEMS:
+                if est and action == "run" and not record(job.system).on_device:
                     action += f" (engine host estimate {est['total_bytes'] / GIB:.1f} GiB)"
-            print(f"  {p.id}  P={human(p.num_params)}  {action}")
-        return {"points": len(points), "launched": 0}
+            print(f"  {job.id}  P={human(job.num_params)}  {action}")
+        return {"points": len(jobs), "launched": 0, "ok": 0, "done_ok": 0}
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "README.md").write_text(schema.csv_readme(cfg.sweep.name))
     with open(out / "runs.jsonl", "a") as f:  # one line per invocation: environment and config
         f.write(json.dumps({"env": env, "config": run_cfg}, default=str) + "\n")
 
-    counts = {"points": len(points), "launched": 0, "done": 0, "skipped": 0, "not_started": 0}
+    counts = {"points": len(jobs), "launched": 0, "done": 0, "skipped": 0, "not_started": 0, "ok": 0,
+              "done_ok": 0}
     statuses: dict[str, int] = {}
-    from megatrain.memory import available_host_bytes
-
     # the bar on a terminal; in a log (not a TTY) the per-point lines below carry the progress
-    bar = tqdm(points, desc=f"sweep {cfg.sweep.name}", unit="point", file=sys.stderr, dynamic_ncols=True,
+    bar = tqdm(jobs, desc=f"sweep {cfg.sweep.name}", unit="point", file=sys.stderr, dynamic_ncols=True,
                disable=not sys.stderr.isatty())
-    width = len(str(len(points)))
-    for i, p in enumerate(bar, 1):
-        tag = f"{i:{width}d}/{len(points)}"
-        bar.set_postfix_str(p.id, refresh=True)
-        if not cfg.redo and status.get(p.id) in schema.DONE_STATUSES:
+    width = len(str(len(jobs)))
+    for i, job in enumerate(bar, 1):
+        tag = f"{i:{width}d}/{len(jobs)}"
+        bar.set_postfix_str(job.id, refresh=True)
+        if not cfg.redo and status.get(job.id) in schema.DONE_STATUSES:
             counts["done"] += 1
-            bar.write(f"{tag} [done]    {p.id} ({status[p.id]}; redo=true re-runs it)")
+            counts["done_ok"] += status[job.id] == "ok"
+            bar.write(f"{tag} [done]    {job.id} ({status[job.id]}; redo=true re-runs it)")
             continue
-        pt = p.to_dict()
-        init_dir = P.init_paths(p.spec, cfg.seed, cache)[1]
-        pt.update(point_dir=str(out / p.id), init_dir=str(init_dir), cache_dir=str(cache), steps=cfg.steps,
-                  warmup_steps=cfg.warmup_steps, seed=cfg.seed, device=device, dtype=cfg.dtype,
-                  torch_threads=cfg.torch_threads,
-                  optim=run_cfg["optim"], timeout_s=cfg.timeout_s, run=run_cfg)
-        est = sweeps.host_estimate(p, device)
-        pt["host_estimate_bytes"] = est["total_bytes"] if est else None
-        reason = sweeps.skip_reason(p, device=device, available_host=available_host_bytes(),
-                                    gpu_total=env.get("gpu_total_bytes"), estimate=est)
+        reason = sweeps.skip_reason(job, device=device, available_host=available_host_bytes(),
+                                    gpu_total=env.get("gpu_total_bytes"),
+                                    estimate=sweeps.host_estimate(job, device))
         if reason:
             result = {"status": "skipped", "error": reason}
             counts["skipped"] += 1
@@ -153,24 +199,24 @@ def run(cfg) -> dict:
             if cfg.time_budget_s is not None:
                 left = cfg.time_budget_s - (time.time() - t_start)
                 if left <= 0:
-                    counts["not_started"] = len(points) - i + 1
+                    counts["not_started"] = len(jobs) - i + 1
                     bar.write(f"{tag} [budget]  time_budget_s={cfg.time_budget_s:g} reached: "
                               f"{counts['not_started']} point(s) not started; rerun to continue")
                     break
                 timeout, init_timeout = min(timeout, left), min(init_timeout, left)
-            bar.write(f"{tag} [run]     {p.id}")
-            result = P.launch(pt, timeout=timeout, init_timeout=init_timeout, log=lambda m: bar.write(m))
+            bar.write(f"{tag} [run]     {job.id}")
+            result = L.launch(job, timeout=timeout, init_timeout=init_timeout, log=lambda m: bar.write(m))
             if result.get("status") == "timeout" and timeout < cfg.timeout_s:
                 result["error"] += " (clipped by time_budget_s; a rerun retries it)"
             counts["launched"] += 1
-        row = P.to_row(pt, result, env)
+        row = L.to_row(job, result, env)
         schema.append_row(csv_path, schema.make_row(**row))
         statuses[row["status"]] = statuses.get(row["status"], 0) + 1
-        tail = f"{float(row['tflops']):.2f} TFLOPS" if row.get("tflops") else (row["error"] or "")[:120]
-        bar.write(f"{tag} [{row['status']}]{' ' * max(1, 8 - len(row['status']))}{p.id}  {tail}")
+        counts["ok"] += row["status"] == "ok"
+        bar.write(f"{tag} [{row['status']}]{' ' * max(1, 8 - len(row['status']))}{job.id}  {_tail(row, device)}")
     bar.close()
 
-    ids = {p.id for p in points}
+    ids = {job.id for job in jobs}
     df = schema.latest(schema.read_results(csv_path))
     df = df[df["point"].isin(ids)]
     print(f"\n{_table(df)}\n")
@@ -181,14 +227,37 @@ def run(cfg) -> dict:
           f"; this run: {summary}; "
           f"{time.time() - t_start:.0f}s; results: {csv_path}", flush=True)
     if cfg.post:
-        results = Path(cfg.results_dir)
-        _post(results, Path(cfg.plots_dir) if cfg.plots_dir else results.resolve().parent / "plots")
+        _post(results, Path(cfg.plots_dir) if cfg.plots_dir else plots_dir_for(results))
     return counts
 
 
+def plots_dir_for(results: Path) -> Path:
+    """Figures of a results folder: the committed results/ -> plots/ (beside it); any other -> inside."""
+    results = results.resolve()
+    return results.parent / "plots" if results == (REPO_ROOT / "results").resolve() else results / "plots"
+
+
+def _tail(row: dict, device: str) -> str:
+    """What a finished point's line says: TFLOPS on a GPU, tokens/s on the CPU, else the error."""
+    if row.get("status") == "ok" and row.get("tokens_per_s"):
+        if device == "cpu":
+            return f"{float(row['tokens_per_s']):,.0f} tokens/s"
+        return f"{float(row['tflops']):.1f} TFLOPS"
+    return (row.get("error") or "")[:120]
+
+
+def failure_message(counts: dict, name: str) -> str | None:
+    """One line saying why a sweep failed: points were launched and none succeeded (none now, none
+    before). Points skipped by the memory rules are an answer, not a failure."""
+    if counts.get("ok") or counts.get("done_ok") or not counts.get("launched"):
+        return None
+    return (f"sweep {name}: no point succeeded ({counts['launched']} launched, {counts['skipped']} skipped, "
+            f"{counts['done']} done before without success); see the table above and each point's log.txt")
+
+
 def _post(results: Path, plots_dir: Path) -> None:
-    """Figures and REPORT.md from the CSVs alone, so every sweep leaves something a person can read.
-    A failure here must not hide the sweep's results, which are already on disk."""
+    """Figures and REPORT.md from this results folder's CSVs alone, so every sweep leaves something a
+    person can read. A failure here must not hide the sweep's results, which are already on disk."""
     from . import plots, report
 
     try:
@@ -203,10 +272,14 @@ def _hydra_main(cfg) -> None:
     from .sweeps import SweepError
 
     try:
-        run(cfg)
+        counts = run(cfg)
     except (SweepError, schema.SchemaError) as e:  # bad sweep definitions: a message, not a traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    message = failure_message(counts, cfg.sweep.name)
+    if message:
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(1)
 
 
 def main() -> None:

@@ -24,22 +24,28 @@ COLUMNS: list[str] = [
     "peak_tflops", "gpu_peak_allocated_gib", "gpu_peak_reserved_gib", "gpu_peak_nvml_gib",
     "host_peak_rss_gib", "host_pinned_gib", "host_bytes_per_param", "host_estimate_gib",
     "loss_first", "loss_last", "gpu_name", "driver", "torch_version", "transformers_version",
-    "deepspeed_version", "git_sha", "host_ram_gib", "date", "duration_s",
+    "deepspeed_version", "git_sha", "host_ram_gib", "date", "duration_s", "optimizer", "settings",
 ]
+# Headers of earlier versions, still readable (missing columns come back empty); appending needs COLUMNS.
+READABLE_HEADERS: list[list[str]] = [COLUMNS, COLUMNS[:-2]]
 
+KNOWN_SWEEPS = ("smoke", "baselines", "size", "depth", "width", "context", "hardware", "ablation", "tokens")
+SAMPLE_SHA = "sample"  # rows of test fixtures / sample data (git_sha or gpu_name)
+SAMPLE_GPU = "sample-data"
 STATUSES = ("ok", "skipped", "gpu_oom", "host_oom", "timeout", "error")
 DONE_STATUSES = ("ok", "skipped")  # not re-run on a rerun unless redo=true
 
 STRING_COLUMNS = frozenset({
     "sweep", "point", "system", "variant", "status", "error", "model", "family", "hardware", "emulated",
     "gpu_name", "driver", "torch_version", "transformers_version", "deepspeed_version", "git_sha", "date",
+    "optimizer", "settings",
 })
 NUMERIC_COLUMNS = tuple(c for c in COLUMNS if c not in STRING_COLUMNS)
 
 DESCRIPTIONS: dict[str, str] = {
     "sweep": "sweep name (smoke, size, depth, width, context, hardware, ablation, tokens)",
     "point": "point id: <system>__<model>__L<layers>__w<width>__s<seq>__b<batch>__<variant>__<hardware>",
-    "system": "training system: megatrain, zero3, fsdp, gemini, native",
+    "system": "training system (baselines.registry.SYSTEM_RECORDS): megatrain, zero3, zero2, superoffload, fsdp, gemini, native",
     "variant": "option variant (ablation sweep), else 'default'",
     "status": "ok | skipped | gpu_oom | host_oom | timeout | error",
     "error": "last line of the error, or why the point was skipped",
@@ -83,6 +89,8 @@ DESCRIPTIONS: dict[str, str] = {
     "host_ram_gib": "total host RAM (GiB)",
     "date": "when the row was written (local time, ISO 8601)",
     "duration_s": "wall time of the point's process, start-up included",
+    "optimizer": "the optimizer the system actually ran (e.g. DeepSpeedCPUAdam, torch.AdamW(fused|foreach))",
+    "settings": "the system's effective settings that matter for speed (JSON; e.g. ZeRO bucket sizes)",
 }
 
 CSV_README = """\
@@ -181,10 +189,11 @@ def read_header(path) -> list[str] | None:
         return next(csv.reader(f), None)
 
 
-def check_header(path) -> None:
-    """Refuse, with the difference spelled out, a CSV whose header is not ``COLUMNS``."""
+def check_header(path, readable: bool = False) -> None:
+    """Refuse, with the difference spelled out, a CSV whose header is not ``COLUMNS`` (``readable``:
+    nor one of the earlier ``READABLE_HEADERS``)."""
     header = read_header(path)
-    if header is None or header == COLUMNS:
+    if header is None or header == COLUMNS or (readable and header in READABLE_HEADERS):
         return
     missing = [c for c in COLUMNS if c not in header]
     extra = [c for c in header if c not in COLUMNS]
@@ -220,18 +229,49 @@ def append_row(path, row: dict) -> None:
 
 def read_results(path):
     """The CSV as a DataFrame: every column present, strings as ``str``, numeric columns as floats
-    (empty -> NaN), ``emulated`` as bool. Raises ``SchemaError`` on a header that is not ``COLUMNS``."""
+    (empty -> NaN), ``emulated`` as bool, an empty variant as "default"; ``tflops``/``mfu`` filled
+    from the formula where a row has the inputs but not the value. Raises ``SchemaError`` on a header
+    that is neither ``COLUMNS`` nor an earlier readable one. The one reader of results CSVs."""
     import pandas as pd
 
     path = Path(path)
     if read_header(path) is None:
         return pd.DataFrame({c: pd.Series(dtype=str if c in STRING_COLUMNS else float) for c in COLUMNS})
-    check_header(path)
+    check_header(path, readable=True)
     df = pd.read_csv(path, dtype=str, keep_default_na=False)
+    for c in COLUMNS:
+        if c not in df.columns:
+            df[c] = ""
+    for c in STRING_COLUMNS:
+        df[c] = df[c].astype(str).str.strip()
+    df.loc[df["variant"] == "", "variant"] = "default"
     for c in NUMERIC_COLUMNS:
         df[c] = pd.to_numeric(df[c].where(df[c] != ""), errors="coerce")
     df["emulated"] = df["emulated"].astype(str).str.lower().isin(("true", "1", "yes"))
-    return df[COLUMNS]
+    df = df[COLUMNS].copy()
+    fill_derived(df)
+    return df
+
+
+def formula_tflops(df):
+    """``megatrain.system.step_flops`` of each row / its median step time, in TFLOPS."""
+    from megatrain.system import step_flops
+
+    flops = step_flops(df["num_params"], df["num_layers"], df["hidden_size"], df["seq_len"], df["tokens_per_step"])
+    return flops / df["step_time_median_s"] / 1e12
+
+
+def fill_derived(df) -> None:
+    """Fill ``tflops``/``mfu`` from the formula where an ok row has the inputs but not the value."""
+    from .config import H200_PEAK_TFLOPS
+
+    need = df["tflops"].isna() & df["step_time_median_s"].notna() & (df["status"] == "ok")
+    if need.any():
+        df.loc[need, "tflops"] = formula_tflops(df[need])
+    # rows without a peak: H200 rows of old CSVs (the peak column came later); never a CPU row
+    peak = df["peak_tflops"].where(df["peak_tflops"].notna() | (df["hardware"] == "cpu"), H200_PEAK_TFLOPS)
+    need = df["mfu"].isna() & df["tflops"].notna() & peak.notna()
+    df.loc[need, "mfu"] = df.loc[need, "tflops"] / peak[need]
 
 
 def latest(df):
@@ -250,3 +290,61 @@ def point_status(path) -> dict[str, str]:
         for rec in csv.DictReader(f):
             status[rec["point"]] = rec["status"]
     return status
+
+
+def load_results(results_dir, sweeps=None, log=print) -> tuple[dict, list[str]]:
+    """``{sweep: DataFrame}`` for every ``<results_dir>/<sweep>/results.csv`` that exists (``sweeps``:
+    only these names, in this order; None: every folder with a results.csv, known sweeps first).
+
+    Returns ``(frames, errors)``; a malformed CSV is reported in ``errors`` (and logged) rather than
+    stopping the other sweeps. Rows repeated for the same (point, system, variant, hardware) keep
+    the last one (a re-run appended to the file).
+    """
+    results_dir = Path(results_dir)
+    frames, errors = {}, []
+    if sweeps is None:
+        found = sorted(p.parent.name for p in results_dir.glob("*/results.csv"))
+        sweeps = [s for s in KNOWN_SWEEPS if s in found] + [s for s in found if s not in KNOWN_SWEEPS]
+    for sweep in sweeps:
+        path = results_dir / sweep / "results.csv"
+        if not path.exists():
+            log(f"[skip] sweep '{sweep}': {path} not found")
+            continue
+        try:
+            df = read_results(path)
+        except SchemaError as e:
+            log(f"[error] {e}")
+            errors.append(str(e))
+            continue
+        if df.empty:
+            log(f"[skip] sweep '{sweep}': {path} has no rows")
+            continue
+        key = ["point", "system", "variant", "hardware"]
+        n = len(df)
+        df = df.drop_duplicates(subset=key, keep="last").reset_index(drop=True)
+        if len(df) < n:
+            log(f"[note] sweep '{sweep}': {n - len(df)} repeated row(s); kept the last of each")
+        frames[sweep] = df
+    return frames, errors
+
+
+def is_sample(df) -> bool:
+    return bool(((df["git_sha"] == SAMPLE_SHA) | (df["gpu_name"] == SAMPLE_GPU)).any())
+
+
+def fill_x_from_point(df, col: str):
+    """``col`` with gaps filled from other rows of the same point (a skipped run may lack shape data)."""
+    by_point = df.dropna(subset=[col]).groupby("point")[col].first()
+    return df[col].fillna(df["point"].map(by_point))
+
+
+def report_errors(errors: list[str]) -> int:
+    """Print a command's collected errors on stderr; its exit status (2 if any, else 0)."""
+    import sys
+
+    if errors:
+        print(f"{len(errors)} error(s):", file=sys.stderr)
+        for e in errors:
+            print(f"  {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,24 +1,31 @@
-"""Expanding a sweep config into points, and deciding which points not to launch.
+"""Expanding a sweep config into jobs, checking them, and deciding which not to launch.
 
-A point is one (system, model shape, seq, batch, variant, hardware) combination, run in its own
-process. ``expand`` is pure apart from reading presets; ``skip_reason`` applies the memory rules:
+A job is one point (system, model shape, seq, batch, variant, hardware) with everything its process
+needs, as one typed object (``Job``): the runner writes it as ``job.json``, the point process reads it
+back. ``expand`` is pure apart from reading presets; ``validate`` refuses a sweep with an impossible
+point before anything runs; ``skip_reason`` applies the memory rules:
 
-* offloading systems (megatrain, zero3, fsdp, gemini): skipped when MegaTrain's host-memory estimate
-  (``megatrain.memory.host_estimate``; 12 B/param of fp32 master + Adam m, v plus gradients and
-  overhead, a lower bound for every system that keeps fp32 Adam state on the host) exceeds the
-  available host RAM;
-* all-on-GPU (native): skipped when 12 B/param (fp32 weights + Adam m, v, before gradients and
+* offloading systems: skipped when MegaTrain's host-memory estimate (``megatrain.memory.host_estimate``;
+  12 B/param of fp32 master + Adam m, v plus gradients and overhead, a lower bound for every system
+  that keeps fp32 Adam state on the host) exceeds the available host RAM;
+* on-device systems (native): skipped when 12 B/param (fp32 weights + Adam m, v, before gradients and
   activations) exceeds the GPU's memory (the emulated cap, or the real GPU's total); on the CPU when
-  16 B/param (weights, gradients, m, v) exceed the available host RAM.
+  16 B/param (weights, gradients, m, v) exceed the available host RAM;
+* a system whose record says it needs a GPU, on a CPU.
 """
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import json
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
+
+from baselines.registry import SYSTEM_RECORDS, record
+from megatrain.system import OptimConfig
 
 from . import config as C
 from .schema import point_id
@@ -26,31 +33,44 @@ from .schema import point_id
 GIB = 2**30
 NATIVE_BYTES_PER_PARAM = 12
 NATIVE_CPU_BYTES_PER_PARAM = 16
-ON_GPU_SYSTEMS = ("native",)
 
 
 class SweepError(ValueError):
-    """A sweep that cannot be expanded (unknown preset, bad axis value, bad variant option...)."""
+    """A sweep that cannot be expanded or run (unknown preset, bad axis value, invalid point...)."""
 
 
 @dataclass
-class Point:
+class Job:
+    """One point of a sweep and everything its process needs (``job.json``)."""
+
     id: str
     sweep: str
     system: str
     variant: str
     model: str
     width: float
-    spec: dict  # megatrain.spec.ModelSpec as a dict (depth/width applied)
+    spec: dict  # megatrain.spec.ModelSpec as a dict (depth/width and max_position_embeddings applied)
     num_params: int
     seq_len: int
     batch_size: int
     micro_batches: int
     hardware: dict  # name, label, gpu_mem_gib, peak_tflops, emulated
-    options: dict  # system options (variant applied)
+    options: dict  # the system's options (variant applied); megatrain: EngineConfig fields
     activation_checkpointing: bool = True
     factory: str | None = None
-    extra: dict = field(default_factory=dict)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    steps: int = 5
+    warmup_steps: int = 2
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "auto"
+    torch_threads: int | None = None
+    gpus: int = 1
+    # filled by the runner
+    point_dir: str = ""
+    init_dir: str = ""
+    cache_dir: str = ""
+    host_estimate_bytes: int | None = None
 
     @property
     def tokens_per_step(self) -> int:
@@ -66,9 +86,22 @@ class Point:
         return ModelSpec(**self.spec)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["tokens_per_step"] = self.tokens_per_step
-        return d
+        return asdict(self)
+
+    def save(self, path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Job":
+        d = dict(d)
+        o = dict(d.pop("optim", None) or {})
+        if "betas" in o:
+            o["betas"] = tuple(o["betas"])
+        return cls(optim=OptimConfig(**o), **d)
+
+    @classmethod
+    def load(cls, path) -> "Job":
+        return cls.from_dict(json.loads(Path(path).read_text()))
 
 
 def _container(node) -> Any:
@@ -94,24 +127,37 @@ def hardware_entry(hw: dict, *, device: str, gpu_name: str) -> dict:
             "peak_tflops": peak, "emulated": bool(hw.get("emulated", False))}
 
 
-def merge_options(system: str, base: dict, overrides: dict, variant: str) -> dict:
-    """System options with a variant's overrides; typed systems (megatrain) reject unknown keys."""
+def merge_options(system: str, base: dict, overrides: dict, variant: str, run_level: dict) -> dict:
+    """System options with a variant's overrides. Typed systems (megatrain: EngineConfig) reject unknown
+    keys and bad values here, before anything runs, and get the run-level engine fields (the same for
+    every system) from ``run_level``; setting one of those as a system option is an error."""
     schema = C.SYSTEM_OPTION_SCHEMAS.get(system)
     if schema is None:
         out = dict(base)
         out.update(overrides)
         return out
+    defaults = OmegaConf.to_container(OmegaConf.structured(schema))
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), base, overrides)
+        merged = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(schema), base, overrides))
     except Exception as e:  # omegaconf's ConfigKeyError / ValidationError
         valid = ", ".join(f.name for f in dataclasses.fields(schema))
         raise SweepError(f"variant {variant!r} of system {system!r}: {str(e).splitlines()[0]}; "
                          f"valid options: {valid}") from None
-    return OmegaConf.to_container(merged)
+    for key in C.RUN_LEVEL_ENGINE_FIELDS:
+        if merged.get(key) != defaults.get(key):
+            raise SweepError(f"system {system!r} option {key!r} is run-level (the same for every system): "
+                             f"set {key}=... instead of system.options.{key}")
+        merged.pop(key, None)
+    merged.update(run_level)
+    try:
+        schema(**{k: v for k, v in merged.items()})
+    except (TypeError, ValueError) as e:
+        raise SweepError(f"variant {variant!r} of system {system!r}: {e}") from None
+    return merged
 
 
-def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name: str = "") -> list[Point]:
-    """All points of ``cfg.sweep``, in run order (model-major, so one model's initial weights are
+def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name: str = "") -> list[Job]:
+    """All jobs of ``cfg.sweep``, in run order (model-major, so one model's initial weights are
     written once and reused by the systems that follow). ``load_option(group, name)`` returns the
     config of a ``system`` or ``hardware`` group option (the run's selected ones are used as they are,
     overrides included)."""
@@ -159,35 +205,39 @@ def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name
             raise SweepError(f"seq_len and batch_size must be >= 1, got seq {s}, batch {b}")
         if cfg.micro_batches > b:
             raise SweepError(f"micro_batches ({cfg.micro_batches}) > batch_size ({b}) at seq {s}")
+    max_pos = int(cfg.max_position_embeddings)
+    optim = OptimConfig(**{**_container(cfg.optim), "betas": tuple(cfg.optim.betas)})
+    common = dict(optim=optim, steps=int(cfg.steps), warmup_steps=int(cfg.warmup_steps), seed=int(cfg.seed),
+                  device=device, dtype=str(cfg.dtype), torch_threads=cfg.torch_threads, gpus=int(cfg.gpus))
+    run_level = {"max_position_embeddings": max_pos}
 
-    points: list[Point] = []
+    points: list[Job] = []
     seen = set()
     for model in models:
         for depth in depths:
             for width in widths:
                 spec = PRESETS[model].scaled(depth=depth, width=width)
                 for seq, batch in shapes:
-                    pspec = spec
-                    if seq > spec.max_position_embeddings:  # RoPE has no weights: same initial weights
-                        pspec = replace(spec, max_position_embeddings=int(seq))
+                    # RoPE has no weights: a position override keeps the initial weights shared
+                    pspec = replace(spec, max_position_embeddings=max_pos) if max_pos > 0 else spec
                     for hw in hw_names:
                         hwe = hw_cfgs[hw]
                         for variant, overrides in variants.items():
                             for system in systems:
                                 sc = sys_cfgs[system]
-                                opts = merge_options(system, sc.get("options") or {}, overrides or {}, variant)
+                                opts = merge_options(system, sc.get("options") or {}, overrides or {}, variant, run_level)
                                 pid = point_id(system, model, spec.num_layers, width, seq, batch, variant,
                                                hwe["label"])
                                 if pid in seen:
                                     continue
                                 seen.add(pid)
-                                points.append(Point(
+                                points.append(Job(
                                     id=pid, sweep=sw.name, system=system, variant=variant, model=model,
                                     width=width, spec=pspec.to_dict(), num_params=spec.num_params(),
                                     seq_len=int(seq), batch_size=int(batch), micro_batches=int(cfg.micro_batches),
                                     hardware=hwe, options=opts,
                                     activation_checkpointing=bool(sc.get("activation_checkpointing", True)),
-                                    factory=sc.get("factory"),
+                                    factory=sc.get("factory"), **common,
                                 ))
     if cfg.only:
         points = [p for p in points if any(fnmatch.fnmatchcase(p.id, pat) for pat in cfg.only)]
@@ -195,7 +245,7 @@ def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name
 
 
 # -- memory rules ---------------------------------------------------------------------------------
-def host_estimate(point: Point, device: str) -> dict | None:
+def host_estimate(point: Job, device: str) -> dict | None:
     """MegaTrain's host estimate for the point's model (the system's options for megatrain, the engine
     defaults for the others); None if megatrain.memory is unavailable."""
     try:
@@ -210,18 +260,21 @@ def host_estimate(point: Point, device: str) -> dict | None:
         return est(point.model_spec(), micro_batches=point.micro_batches, options=options)
 
 
-def gpu_capacity_bytes(point: Point, real_total: int | None) -> int | None:
+def gpu_capacity_bytes(point: Job, real_total: int | None) -> int | None:
     cap = point.hardware.get("gpu_mem_gib")
     if cap:
         return int(float(cap) * GIB)
     return real_total
 
 
-def skip_reason(point: Point, *, device: str, available_host: int | None, gpu_total: int | None,
+def skip_reason(point: Job, *, device: str, available_host: int | None, gpu_total: int | None,
                 estimate: dict | None) -> str | None:
     """Why the point should not be launched (None: launch it)."""
     p = point.num_params
-    if point.system in ON_GPU_SYSTEMS:
+    rec = record(point.system)
+    if device == "cpu" and not rec.runs_on_cpu:
+        return f"skipped: {rec.label} needs a GPU (this run is on the CPU)"
+    if rec.on_device:
         if device == "cpu":  # "all on the device" = all in host RAM: fp32 weights, grads, Adam m, v
             need = NATIVE_CPU_BYTES_PER_PARAM * p
             if available_host is not None and need > available_host:
@@ -239,3 +292,33 @@ def skip_reason(point: Point, *, device: str, available_host: int | None, gpu_to
                 f"({estimate['bytes_per_param']:.2f} B/param x {p / 1e9:.2f}B params) > available host RAM "
                 f"{available_host / GIB:.1f} GiB")
     return None
+
+
+# -- checks before launching ----------------------------------------------------------------------
+def invalid_reason(job: Job) -> str | None:
+    """Why ``job`` cannot run at all (a config mistake, not a measurement): None if it can."""
+    if job.steps < 1:
+        return f"steps={job.steps}: at least 1 measured step is needed"
+    if job.warmup_steps < 0:
+        return f"warmup_steps={job.warmup_steps} must be >= 0"
+    positions = int(job.spec.get("max_position_embeddings") or 0)
+    if positions and job.seq_len > positions:
+        return (f"seq_len {job.seq_len} > the model's {positions} positions ({job.model}); "
+                f"set max_position_embeddings={job.seq_len} (or more) to raise them for every system")
+    if job.gpus < 1:
+        return f"gpus={job.gpus} must be >= 1"
+    rec = SYSTEM_RECORDS.get(job.system)
+    max_gpus = rec.max_gpus if rec else 1
+    if job.gpus > max_gpus:
+        return f"gpus={job.gpus}: {job.system} runs on at most {max_gpus} GPU(s) per node in this harness"
+    return None
+
+
+def validate(jobs: list[Job]) -> None:
+    """Refuse (``SweepError``, one line per bad point, at most 5) a sweep with any invalid point."""
+    bad = [(j.id, r) for j in jobs for r in [invalid_reason(j)] if r]
+    if bad:
+        lines = [f"  {pid}: {reason}" for pid, reason in bad[:5]]
+        more = f"\n  ... and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise SweepError(f"{len(bad)} of {len(jobs)} point(s) cannot run; nothing was launched:\n"
+                         + "\n".join(lines) + more)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-import torch
+if TYPE_CHECKING:  # torch is imported by the functions that use it: the dataclasses here are the
+    import torch   # runner's hydra schemas and must import without it
 
 IGNORE_INDEX = -100
 
@@ -99,6 +100,8 @@ def step_flops(num_params: int, num_layers: int, hidden: int, seq_len: int, toke
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     """Targets aligned with positions: position t predicts labels[t+1]; the last position is ignored."""
+    import torch
+
     pad = torch.full_like(labels[:, :1], IGNORE_INDEX)
     return torch.cat([labels[:, 1:], pad], dim=1)
 
@@ -116,6 +119,8 @@ def labels_from_batch(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def split_micro_batches(batch: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
     """Split a batch along dim 0 into ``n`` micro-batches (each must get at least one row)."""
+    import torch
+
     bsz = batch["input_ids"].shape[0]
     if n < 1 or n > bsz:
         raise ValueError(f"cannot split a batch of {bsz} rows into {n} micro-batches")

@@ -66,20 +66,92 @@ def test_zero3_bf16_path_exact_masters_and_fp32_rope(init_dirs, native_runs):
     assert first.loss == pytest.approx(ref, rel=BF16_RTOL)
 
 
-def test_ds_config_buckets_follow_hidden_size():
-    from baselines.zero3 import make_ds_config
+def test_ds_config_tuned_defaults_and_hf_auto():
+    from baselines.zero3 import TUNED_ZERO, make_ds_config, settings_of
 
     cfg = make_ds_config(2048, OPTIM, 4, bf16=True, torch_optimizer=False,
                          zero_overrides={"overlap_comm": False}, config_overrides={"bf16": {"enabled": True}})
     zero = cfg["zero_optimization"]
-    assert zero["reduce_bucket_size"] == 2048 * 2048
-    assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 2048 * 2048)
-    assert zero["stage3_param_persistence_threshold"] == 20480
+    # the tuned settings of issue 9 are the defaults
+    assert zero["reduce_bucket_size"] == 5e8 and zero["stage3_prefetch_bucket_size"] == 5e8
+    assert zero["stage3_param_persistence_threshold"] == 1e6 and zero["stage3_max_live_parameters"] == 1e9
     assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert zero["offload_param"] == {"device": "cpu", "pin_memory": True}
     assert zero["overlap_comm"] is False and zero["contiguous_gradients"] is True
     assert cfg["gradient_accumulation_steps"] == 4 and cfg["gradient_clipping"] == OPTIM.max_grad_norm
     assert "zero_force_ds_cpu_optimizer" not in cfg
     assert not any(v == "auto" for v in zero.values())
+    s = settings_of(cfg)
+    assert s["prefetch_bucket_size"] == TUNED_ZERO["stage3_prefetch_bucket_size"] and s["offload_param"] is True
+    # HF "auto" sizes on request (how the harness ran before tuning)
+    zero = make_ds_config(2048, OPTIM, 1, bf16=True, torch_optimizer=False, buckets="hf_auto")["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 2048 * 2048 and zero["stage3_param_persistence_threshold"] == 20480
+    with pytest.raises(ValueError, match="buckets"):
+        make_ds_config(2048, OPTIM, 1, bf16=True, torch_optimizer=False, buckets="huge")
+
+
+def test_zero2_and_superoffload_configs():
+    from baselines.zero3 import make_ds_config, settings_of
+
+    z2 = make_ds_config(1024, OPTIM, 1, bf16=True, torch_optimizer=False, variant="zero2")
+    zero = z2["zero_optimization"]
+    assert zero["stage"] == 2 and "offload_param" not in zero  # parameters stay on the GPU
+    assert zero["offload_optimizer"]["device"] == "cpu" and zero["allgather_bucket_size"] == 5e8
+    assert not any(k.startswith("stage3_") for k in zero)
+    so = make_ds_config(1024, OPTIM, 1, bf16=True, torch_optimizer=False, variant="superoffload",
+                        cpuadam_cores_perc=0.8)
+    zero = so["zero_optimization"]
+    assert zero["stage"] == 3 and "offload_param" not in zero
+    assert zero["offload_optimizer"]["super_offload"] is True and zero["offload_optimizer"]["cpuadam_cores_perc"] == 0.8
+    assert settings_of(so)["super_offload"] is True and settings_of(z2)["stage"] == 2
+    # DeepSpeed's own schema accepts both (validated without a GPU)
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    for cfg in (z2, so):
+        DeepSpeedZeroConfig(**cfg["zero_optimization"])
+
+
+def test_superoffload_timeout_becomes_a_timeout_row_status():
+    """SuperOffload's worker giving up ("timeout after 60 seconds") is recorded as status timeout."""
+    from baselines import failure_status
+
+    err = RuntimeError("SuperOffload CPU optimizer timeout after 60.0 seconds. The worker may be stuck.")
+    assert failure_status(err) == "timeout"
+    try:
+        try:
+            raise err
+        except RuntimeError as e:
+            raise ValueError("step failed") from e
+    except ValueError as wrapped:
+        assert failure_status(wrapped) == "timeout"
+    assert failure_status(RuntimeError("shape mismatch")) == "error"
+
+
+def test_deepspeed_systems_build_through_the_registry(monkeypatch, init_dirs):
+    """zero2 and superoffload are registered systems with their own labels and records; on a machine
+    without CUDA their GPU-only parts are mocked: the config each would hand to DeepSpeed is captured."""
+    import baselines.zero3 as z
+    from baselines import SYSTEM_RECORDS, build_system
+
+    assert SYSTEM_RECORDS["zero2"].builder == "build_zero2" and not SYSTEM_RECORDS["superoffload"].runs_on_cpu
+    seen = {}
+
+    def fake_build(self, init_dir, opts, dtype, activation_checkpointing):
+        cfg = z.make_ds_config(64, self.optim, self.micro_batches, bf16=True, torch_optimizer=False,
+                               variant=self.variant, buckets=opts["buckets"],
+                               cpuadam_cores_perc=opts["cpuadam_cores_perc"])
+        seen[self.variant] = cfg
+        self.info.update(system=self.name, settings=z.settings_of(cfg), optimizer="DeepSpeedCPUAdam")
+
+    monkeypatch.setattr(z.DeepSpeedSystem, "_build", fake_build)
+    for name in ("zero2", "superoffload"):
+        system = build_system(name, init_dir=init_dirs["tiny-llama"], optim=OPTIM, device="cpu",
+                              options={"cpuadam_cores_perc": 0.5})
+        assert system.name == name and system.info["settings"]["stage"] == (2 if name == "zero2" else 3)
+        system.close()
+    assert seen["superoffload"]["zero_optimization"]["offload_optimizer"]["cpuadam_cores_perc"] == 0.5
+    with pytest.raises(ValueError, match="unknown zero2 options"):
+        build_system("zero2", init_dir=init_dirs["tiny-llama"], optim=OPTIM, device="cpu", options={"stage": 3})
 
 
 @pytest.mark.skipif(os.environ.get("MEGATRAIN_TEST_CPU_ADAM") != "1",

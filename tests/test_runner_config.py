@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -15,7 +16,8 @@ from experiments import config as C  # noqa: E402  (registers the schemas)
 from experiments import sweeps  # noqa: E402
 
 CONF = ROOT / "experiments" / "conf"
-SWEEPS = ("smoke", "baselines", "size", "depth", "width", "context", "hardware", "ablation", "tokens")
+SWEEPS = ("smoke", "baselines", "size", "depth", "width", "context", "hardware", "ablation", "tokens",
+          "baselines_tune")
 GIB = 2**30
 
 
@@ -72,7 +74,8 @@ def test_paper_axes(compose_fn):
     mt = [p for p in pts if p.system == "megatrain"]
     assert [p.seq_len for p in mt] == [1024 * 2**i for i in range(10)]
     assert [p.batch_size for p in mt] == [16, 8, 4, 2, 1, 1, 1, 1, 1, 1]
-    assert all(p.spec["max_position_embeddings"] >= p.seq_len for p in mt)
+    assert all(p.spec["max_position_embeddings"] == 524288 for p in pts)  # every system, the same override
+    assert {p.options["max_position_embeddings"] for p in mt} == {524288}
 
     _, pts = expand(compose_fn, "sweep=tokens")
     mt = [p for p in pts if p.system == "megatrain"]
@@ -94,13 +97,15 @@ def test_hardware_profiles(compose_fn):
 def test_ablation_variants_and_overrides(compose_fn):
     _, pts = expand(compose_fn, "sweep=ablation")
     opts = {p.variant: p.options for p in pts}
-    assert list(opts) == ["full", "no_double_buffer", "no_slab_pool", "ckpt_interval_1", "no_opt_overlap"]
+    assert list(opts) == ["full", "no_double_buffer", "no_slab_pool", "ckpt_interval_1", "no_opt_overlap",
+                          "pure_streaming", "no_speculation"]
     full = opts["full"]
     assert full["checkpoint_interval"] == 4 and full["num_slots"] == 2 and full["grad_slabs"] > 0
     assert full["overlap_optimizer"] is True
     diff = {v: {k: o[k] for k in o if o[k] != full[k]} for v, o in opts.items()}
     assert diff == {"full": {}, "no_double_buffer": {"num_slots": 1}, "no_slab_pool": {"grad_slabs": 0},
-                    "ckpt_interval_1": {"checkpoint_interval": 1}, "no_opt_overlap": {"overlap_optimizer": False}}
+                    "ckpt_interval_1": {"checkpoint_interval": 1}, "no_opt_overlap": {"overlap_optimizer": False},
+                    "pure_streaming": {"gpu_resident": "0"}, "no_speculation": {"speculate": "never"}}
     assert {p.model for p in pts} == {"qwen2.5-3b"} and {p.batch_size for p in pts} == {16}
     # the sweep's model default yields to the command line; system options too
     _, pts = expand(compose_fn, "sweep=ablation", "model=qwen2.5-7b", "system=megatrain",
@@ -144,23 +149,28 @@ def test_skip_rules(compose_fn):
     assert "24.0 GiB of GPU memory" in sweeps.skip_reason(capped, estimate=None, **kw)
 
 
-def test_yaml_mirrors_the_dataclasses():
+def test_engine_dataclasses_are_the_schemas_no_mirrors():
+    """The megatrain system's options *are* EngineConfig and optim *is* OptimConfig: no copy to drift."""
     from megatrain.config import EngineConfig
     from megatrain.spec import PRESETS
+    from megatrain.system import OptimConfig
 
+    assert C.MegatrainSystemConfig.__dataclass_fields__["options"].type in ("EngineConfig", EngineConfig)
+    assert C.RunConfig.__dataclass_fields__["optim"].type in ("OptimConfig", OptimConfig)
+    assert not hasattr(C, "MegatrainOptions") and not hasattr(C, "OptimSettings")
+    import baselines.megatrain_system as ms
+
+    assert not hasattr(ms, "ENGINE_OPTIONS")
     meg = yaml.safe_load((CONF / "system" / "megatrain.yaml").read_text())
-    defaults = dataclasses.asdict(C.MegatrainOptions())
-    assert meg["options"] == defaults
-    engine = dataclasses.asdict(EngineConfig())
-    assert {k: engine[k] for k in defaults} == defaults, "MegatrainOptions defaults drifted from EngineConfig"
-    for name in ("zero3", "fsdp", "gemini", "native", "megatrain"):
+    assert "options" not in meg  # defaults come from EngineConfig itself
+    from baselines.registry import SYSTEMS
+
+    for name in SYSTEMS:  # one config file per registered system, nothing else
         data = yaml.safe_load((CONF / "system" / f"{name}.yaml").read_text())
         assert data["name"] == name
         assert set(data) - {"defaults"} <= {f.name for f in dataclasses.fields(C.SystemConfig)}
-    assert sorted(p.stem for p in (CONF / "model").glob("*.yaml")) == sorted(PRESETS)
-    for name in PRESETS:
-        data = yaml.safe_load((CONF / "model" / f"{name}.yaml").read_text())
-        assert data == {"name": name, "depth": None, "width": 1.0}
+    assert sorted(p.stem for p in (CONF / "system").glob("*.yaml")) == sorted(SYSTEMS)
+    assert not (CONF / "model").exists(), "model presets are registered from megatrain.spec.PRESETS"
     for f in (CONF / "hardware").glob("*.yaml"):
         data = yaml.safe_load(f.read_text())
         assert data["name"] == f.stem
@@ -168,12 +178,60 @@ def test_yaml_mirrors_the_dataclasses():
         if data["emulated"]:
             assert data["peak_tflops"] == C.peak_tflops_for(data["name"])
     assert C.peak_tflops_for("NVIDIA H200") == 797.5 and C.peak_tflops_for("Tesla T4") is None
+    assert len(PRESETS) > 5
+
+
+def test_engine_option_walk_from_command_line_to_engine_config(compose_fn):
+    """checkpoint_interval / gpu_resident from the command line reach EngineConfig through the Job."""
+    from baselines.megatrain_system import engine_config
+    from experiments.sweeps import Job
+
+    _, jobs = expand(compose_fn, "sweep=smoke", "system=megatrain", "system.options.checkpoint_interval=2",
+                     "system.options.gpu_resident=0", "optim.lr=3e-4", device="cpu", gpu_name="")
+    (job,) = jobs
+    back = Job.from_dict(json.loads(json.dumps(job.to_dict())))  # what the point process reads
+    assert back == job and back.optim.betas == (0.9, 0.95) and back.optim.lr == 3e-4
+    cfg = engine_config(back.options, optim=back.optim, micro_batches=back.micro_batches, device="cpu")
+    assert cfg.checkpoint_interval == 2 and cfg.gpu_resident == "0" and cfg.optim.lr == 3e-4
+    with pytest.raises(sweeps.SweepError, match="gpu_resident"):
+        expand(compose_fn, "sweep=smoke", "system=megatrain", "system.options.gpu_resident=many", device="cpu")
+    with pytest.raises(sweeps.SweepError, match="run-level"):
+        expand(compose_fn, "sweep=smoke", "system=megatrain", "system.options.micro_batches=2", device="cpu")
+
+
+def test_invalid_points_are_refused_before_launch(compose_fn):
+    _, jobs = expand(compose_fn, "sweep=smoke", "steps=0", device="cpu", gpu_name="")
+    with pytest.raises(sweeps.SweepError, match="steps=0"):
+        sweeps.validate(jobs)
+    _, jobs = expand(compose_fn, "sweep=smoke", "seq_len=100000", device="cpu", gpu_name="")
+    with pytest.raises(sweeps.SweepError, match="max_position_embeddings=100000") as e:
+        sweeps.validate(jobs)
+    assert "nothing was launched" in str(e.value)
+    _, jobs = expand(compose_fn, "sweep=smoke", "seq_len=100000", "max_position_embeddings=100000",
+                     device="cpu", gpu_name="")
+    sweeps.validate(jobs)  # raising the positions makes them valid, for every system alike
+    assert {j.spec["max_position_embeddings"] for j in jobs} == {100000}
+    _, jobs = expand(compose_fn, "sweep=smoke", "gpus=2", device="cpu", gpu_name="")
+    with pytest.raises(sweeps.SweepError, match="gpus=2"):
+        sweeps.validate(jobs)
+    _, jobs = expand(compose_fn, "sweep=smoke", device="cpu", gpu_name="")
+    sweeps.validate(jobs)
+
+
+def test_size_sweep_has_14b_and_gpu_only_systems_skip_on_cpu(compose_fn):
+    _, jobs = expand(compose_fn, "sweep=size", device="cpu", gpu_name="")
+    assert "qwen2.5-14b" in {j.model for j in jobs}
+    _, jobs = expand(compose_fn, "sweep=baselines", device="cpu", gpu_name="")
+    by = {j.system: j for j in jobs}
+    assert {"zero2", "superoffload"} <= set(by)
+    reason = sweeps.skip_reason(by["gemini"], device="cpu", available_host=None, gpu_total=None, estimate=None)
+    assert "needs a GPU" in reason
 
 
 def test_override_precheck_lists_valid_keys():
     msg = C.check_overrides(["sweep=smoke", "stpes=3"])
     assert "Unknown config key 'stpes'" in msg and "steps" in msg and "warmup_steps" in msg
     msg = C.check_overrides(["system=megatrain", "system.options.num_slot=1"])
-    assert "num_slots" in msg and "checkpoint_interval" in msg
+    assert "num_slots" in msg and "checkpoint_interval" in msg and "gpu_resident" in msg
     assert C.check_overrides(["sweep=smoke", "steps=3", "model.depth=2", "system=zero3",
                               "system.options.anything=1", "hydra.run.dir=x", "--cfg", "job"]) is None

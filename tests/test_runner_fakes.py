@@ -94,7 +94,8 @@ timeout_s: {timeout_s}
 def test_fake_behaviors_are_classified_as_the_runner_expects():
     import torch
 
-    from experiments.point import classify, error_text
+    from baselines.oom import failure_status as classify
+    from experiments.point import error_text
 
     assert classify(RuntimeError("x")) == "error"
     assert classify(torch.OutOfMemoryError("CUDA out of memory.")) == "gpu_oom"

@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from experiments import cache as K  # noqa: E402
 from experiments import point as P  # noqa: E402
 from experiments import schema  # noqa: E402
 
@@ -20,7 +21,8 @@ BRIEF_COLUMNS = (
     "gpu_mem_cap_gib, steps, warmup_steps, step_time_median_s, step_time_mean_s, tokens_per_s, tflops, mfu, "
     "peak_tflops, gpu_peak_allocated_gib, gpu_peak_reserved_gib, gpu_peak_nvml_gib, host_peak_rss_gib, "
     "host_pinned_gib, host_bytes_per_param, host_estimate_gib, loss_first, loss_last, gpu_name, driver, "
-    "torch_version, transformers_version, deepspeed_version, git_sha, host_ram_gib, date, duration_s"
+    "torch_version, transformers_version, deepspeed_version, git_sha, host_ram_gib, date, duration_s, "
+    "optimizer, settings"
 ).split(", ")
 
 
@@ -28,8 +30,17 @@ def test_columns_are_the_fixed_schema():
     assert schema.COLUMNS == BRIEF_COLUMNS
     assert set(schema.DESCRIPTIONS) == set(schema.COLUMNS)
     sample = ROOT / "experiments" / "data" / "sample_results" / "smoke" / "results.csv"
-    if sample.exists():  # the plots' fixtures use the same header
-        assert schema.read_header(sample) == schema.COLUMNS
+    if sample.exists():  # the plots' fixtures (and the committed H200 CSVs) use the header before issue 9
+        assert schema.read_header(sample) == schema.COLUMNS[:-2] and schema.read_header(sample) in schema.READABLE_HEADERS
+
+
+def test_older_header_is_read_but_not_appended_to(tmp_path):
+    old = tmp_path / "results.csv"
+    old.write_text(",".join(schema.COLUMNS[:-2]) + "\n" + ",".join(["x"] * (len(schema.COLUMNS) - 2)) + "\n")
+    df = schema.read_results(old)
+    assert list(df.columns) == schema.COLUMNS and df.loc[0, "optimizer"] == "" and df.loc[0, "settings"] == ""
+    with pytest.raises(schema.SchemaError, match="missing: optimizer, settings"):
+        schema.append_row(old, schema.make_row(sweep="s", status="ok"))
 
 
 def test_make_row_append_and_read(tmp_path):
@@ -76,8 +87,11 @@ def test_point_id_convention():
 
 
 def test_summarize_uses_measured_steps_and_the_formula():
-    pt = {"batch_size": 2, "seq_len": 8, "num_params": 1000, "spec": {"num_layers": 2, "hidden_size": 4},
-          "hardware": {"peak_tflops": 100.0}}
+    from experiments.sweeps import Job
+
+    pt = Job(id="p", sweep="s", system="x", variant="default", model="m", width=1.0,
+             spec={"num_layers": 2, "hidden_size": 4}, num_params=1000, seq_len=8, batch_size=2, micro_batches=1,
+             hardware={"peak_tflops": 100.0}, options={})
     recs = [{"step": 0, "warmup": True, "loss": 9.0, "step_time_s": 50.0}] + \
            [{"step": i, "warmup": False, "loss": 9.0 - i, "step_time_s": t} for i, t in enumerate([1.0, 3.0, 2.0], 1)]
     m = P.summarize(recs, pt)
@@ -94,22 +108,22 @@ def test_init_cache_is_written_once_and_shared(tmp_path):
     spec = PRESETS["tiny-qwen2"].to_dict()
     cache = tmp_path / "cache"
     logs = []
-    d1 = P.ensure_init_dir(spec, 0, cache, log=logs.append)
-    assert P.init_complete(d1) and (cache / ".gitignore").read_text().strip().endswith("*")
-    weights = P.init_paths(spec, 0, cache)[0]
+    d1 = K.ensure_init_dir(spec, 0, cache, log=logs.append)
+    assert K.init_complete(d1) and (cache / ".gitignore").read_text().strip().endswith("*")
+    weights = K.init_paths(spec, 0, cache)[0]
     mtime = weights.stat().st_mtime_ns
-    assert P.ensure_init_dir(spec, 0, cache, log=logs.append) == d1 and any("cached" in m for m in logs)
+    assert K.ensure_init_dir(spec, 0, cache, log=logs.append) == d1 and any("cached" in m for m in logs)
     # a longer context: own config.json, same weight files (symlinks), nothing rewritten
     long = dict(spec, max_position_embeddings=4096)
-    d2 = P.ensure_init_dir(long, 0, cache, log=logs.append)
-    assert d2 != d1 and P.init_paths(long, 0, cache)[0] == weights
+    d2 = K.ensure_init_dir(long, 0, cache, log=logs.append)
+    assert d2 != d1 and K.init_paths(long, 0, cache)[0] == weights
     assert json.loads((d2 / "config.json").read_text())["max_position_embeddings"] == 4096
     shard = next(d2.glob("*.safetensors"))
     assert shard.is_symlink() and shard.resolve().parent == weights.resolve()
     assert len(list((cache / "weights").iterdir())) == 1 and weights.stat().st_mtime_ns >= mtime
     # another seed or shape: other weights
-    assert P.init_paths(spec, 1, cache)[0] != weights
-    assert P.init_paths(dict(spec, num_layers=2), 0, cache)[0] != weights
+    assert K.init_paths(spec, 1, cache)[0] != weights
+    assert K.init_paths(dict(spec, num_layers=2), 0, cache)[0] != weights
     # the systems load it like any HF folder
     from transformers import AutoConfig
 
@@ -117,7 +131,7 @@ def test_init_cache_is_written_once_and_shared(tmp_path):
     # a broken link (evicted weights) makes the init dir incomplete again
     for f in weights.glob("*.safetensors"):
         os.remove(f)
-    assert not P.init_complete(d2)
+    assert not K.init_complete(d2)
 
 
 def test_factory_loading(tmp_path):

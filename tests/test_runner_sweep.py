@@ -68,8 +68,16 @@ def test_smoke_sweep_end_to_end(tmp_path, cache):
         assert r["status"] in schema.STATUSES
         assert r["hardware"] == "cpu" and r["torch_version"] and r["git_sha"] and r["date"]
     assert (results / "smoke" / "README.md").read_text().count("6·P·T + 12·L·h·s·T") >= 1
-    # a figure and a report come out of the sweep, beside the results (never into the repo's plots/)
-    assert (tmp_path / "plots" / "smoke_tokens_per_s.png").stat().st_size > 0
+    # a figure and a report come out of the sweep, inside its results folder (never into the repo's plots/)
+    assert (results / "plots" / "smoke_tokens_per_s.png").stat().st_size > 0
+    # quiet: no fontTools subsetting logs (hydra's INFO root logger), progress in tokens/s, not "0.00 TFLOPS"
+    out = proc.stdout + proc.stderr
+    assert "fontTools" not in out and "subset" not in out.lower(), out[:2000]
+    assert len(out.splitlines()) < 60, out
+    assert "TFLOPS" not in out and "tokens/s" in out
+    point_log = (results / "smoke" / _by_system(schema.read_results(results / "smoke" / "results.csv"))["native"]["point"]
+                 / "log.txt").read_text()
+    assert "tokens/s" in point_log and "TFLOPS" not in point_log
     assert "## Formulas" in (results / "REPORT.md").read_text()
     # no hydra litter
     assert not (ROOT / "outputs").exists() and not (ROOT / ".hydra").exists()

@@ -1,9 +1,10 @@
-"""Background sampling of host and GPU memory peaks.
+"""Background sampling of host and GPU memory peaks: the one RSS sampler of the repo.
 
 ``Monitor(pid)`` samples, every ``interval`` seconds in a daemon thread, the RSS of process ``pid`` plus
 all its descendants (psutil) and, where NVML works, the used memory of the GPU (whole device, so other
 processes on it count too). The point process monitors itself; the runner also monitors each point
-process from outside, so a point killed by the OOM killer still gets a host peak.
+process from outside, so a point killed by the OOM killer still gets a host peak; every baseline samples
+its own peak with one (``BaselineSystem``). Imports neither torch nor experiments.
 
 Sampling misses spikes shorter than the interval; the allocator's own peaks
 (``torch.cuda.max_memory_allocated``) are recorded separately by the point process.
@@ -13,7 +14,6 @@ from __future__ import annotations
 import os
 import threading
 
-from .envinfo import nvml_handle
 
 
 class Monitor:
@@ -55,7 +55,8 @@ class Monitor:
                 pass
         return total
 
-    def sample(self) -> None:
+    def sample(self) -> int:
+        """Take one sample now; returns the current RSS (process tree)."""
         rss = self._tree_rss()
         used = None
         if self._handle is not None:
@@ -70,6 +71,14 @@ class Monitor:
                 self.peak_rss = max(self.peak_rss, rss)
             if used is not None:
                 self.peak_gpu_used = max(self.peak_gpu_used or 0, used)
+        return rss
+
+    def reset_peak(self) -> int:
+        """Restart peak tracking from the current RSS (e.g. after a build's transient peak); returns it."""
+        rss = self._tree_rss()
+        with self._lock:
+            self.peak_rss = self.last_rss = rss
+        return rss
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -115,3 +124,14 @@ class Monitor:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def nvml_handle(pynvml, index: int | None = None):
+    """Handle of the GPU this process uses: ``index`` or the first of ``CUDA_VISIBLE_DEVICES``
+    (an index or a UUID), else GPU 0."""
+    if index is None:
+        first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+        if first and not first.lstrip("-").isdigit():
+            return pynvml.nvmlDeviceGetHandleByUUID(first)
+        index = int(first) if first.isdigit() else 0
+    return pynvml.nvmlDeviceGetHandleByIndex(index)

@@ -1,0 +1,193 @@
+"""The runner's side of a point: start its processes, classify how they ended, build the CSV row.
+
+``launch(job)`` writes ``job.json`` into the point's folder, writes the initial weights in a first
+process if the cache lacks them, then trains in a second (``python -m experiments.point``), each with a
+timeout and its own session (the whole process group is terminated on timeout). ``to_row`` turns the
+job and its result into a ``experiments.schema`` row.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .cache import init_complete
+from .point import one_line, read_metrics, summarize
+from .sweeps import Job
+
+GIB = 2**30
+REPO_ROOT = Path(__file__).resolve().parents[1]
+KILL_GRACE_S = 10.0
+
+
+# ================================================================================================
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 30.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_child(args: list[str], *, timeout: float, log_path: Path, monitor: bool = False,
+              threads: int | None = None) -> dict:
+    """Run ``python -m experiments.point *args`` in a new session with its output appended to
+    ``log_path``; on timeout the whole process group is terminated (then killed)."""
+    env = os.environ.copy()
+    env["PYTHONUNBUFFERED"] = "1"
+    env["MEGATRAIN_RUNNER_PID"] = str(os.getpid())
+    if threads:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(int(threads))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    cmd = [sys.executable, "-m", "experiments.point", *args]
+    t0 = time.time()
+    timed_out = False
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=env)
+        mon = None
+        if monitor:
+            from baselines.monitor import Monitor
+
+            mon = Monitor(pid=proc.pid, interval=0.5, gpu=False).start()
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc)
+            rc = proc.returncode
+        except BaseException:
+            _kill_group(proc)
+            raise
+        finally:
+            peaks = mon.stop() if mon is not None else {}
+    return {"rc": rc, "timed_out": timed_out, "duration_s": time.time() - t0,
+            "outside_peak_rss_bytes": peaks.get("host_peak_rss_bytes")}
+
+
+def last_log_line(path: Path, skip_prefixes=("[point]",)) -> str:
+    try:
+        lines = [l.strip() for l in path.read_text(errors="replace").splitlines() if l.strip()]
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        if not line.startswith(skip_prefixes) and "\r" not in line:
+            return one_line(line)
+    return one_line(lines[-1]) if lines else ""
+
+
+def _death(child: dict, what: str, timeout: float, log_path: Path) -> tuple[str, str]:
+    rc = child["rc"]
+    if child["timed_out"]:
+        return "timeout", f"timeout: {what} exceeded {timeout:.0f}s and was terminated"
+    if rc is not None and rc < 0:
+        sig = -rc
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+        if sig == signal.SIGKILL:
+            peak = child.get("outside_peak_rss_bytes")
+            at = f" at ~{peak / GIB:.1f} GiB RSS" if peak else ""
+            return "host_oom", f"host_oom_killed: {what} killed by SIGKILL{at} (likely the kernel OOM killer)"
+        return "error", f"{what} killed by {name}"
+    return "error", f"{what} exited with status {rc}: {last_log_line(log_path)}"
+
+
+def launch(job: Job, *, timeout: float, init_timeout: float, log=print) -> dict:
+    """Run one point: initial weights (if not cached), then training, each in a subprocess. Returns the
+    point's result dict (``status``, ``error``, metrics; see ``train``) whatever happened."""
+    pdir = Path(job.point_dir)
+    if pdir.exists():
+        shutil.rmtree(pdir)
+    pdir.mkdir(parents=True)
+    pjson = pdir / "job.json"
+    job.save(pjson)
+    log_path = pdir / "log.txt"
+    result: dict = {"launched": True}
+    if not init_complete(Path(job.init_dir)):
+        child = run_child(["--init", str(pjson)], timeout=init_timeout, log_path=log_path, monitor=True,
+                          threads=job.torch_threads)
+        result["init_s"] = child["duration_s"]
+        if child["rc"] != 0 or not init_complete(Path(job.init_dir)):
+            status, error = _death(child, "writing the initial weights", init_timeout, log_path)
+            if not child["timed_out"] and child["rc"] is not None and child["rc"] > 0:
+                line = last_log_line(log_path)
+                if line.startswith("[init] "):
+                    status, _, error = line[len("[init] "):].partition(": ")
+                    status = status if status in ("gpu_oom", "host_oom", "error") else "error"
+                error = f"initial weights: {error}"
+            result.update(status=status, error=error, duration_s=child["duration_s"], init_failed=True,
+                          host_peak_rss_bytes=child.get("outside_peak_rss_bytes"))
+            return result
+    child = run_child([str(pjson)], timeout=timeout, log_path=log_path, monitor=True,
+                      threads=job.torch_threads)
+    rjson = pdir / "result.json"
+    if rjson.exists() and not child["timed_out"]:
+        try:
+            result.update(json.loads(rjson.read_text()))
+        except ValueError:
+            result.update(status="error", error="unreadable result.json")
+    else:
+        status, error = _death(child, "the point process", timeout, log_path)
+        records = read_metrics(pdir / "metrics.jsonl")
+        result.update(status=status, error=error, metrics=summarize(records, job),
+                      host_peak_rss_bytes=child.get("outside_peak_rss_bytes"))
+        if status != "ok":
+            for k in ("step_time_median_s", "step_time_mean_s", "tokens_per_s", "tflops", "mfu"):
+                result["metrics"].pop(k, None)
+    result["duration_s"] = child["duration_s"]
+    result["returncode"] = child["rc"]
+    return result
+
+
+def to_row(job: Job, result: dict, env: dict) -> dict:
+    """The CSV row (``experiments.schema.COLUMNS``) of a job and its result."""
+    spec = job.spec
+    m = result.get("metrics") or {}
+    gib = lambda b: (b / GIB) if isinstance(b, (int, float)) and b is not None and b >= 0 else None  # noqa: E731
+    p = job.num_params
+    rss = result.get("host_peak_rss_bytes")
+    est = job.host_estimate_bytes
+    ok = result.get("status") == "ok"
+    hw = job.hardware
+    info = result.get("system_info") or {}
+    settings = info.get("settings")
+    return dict(
+        sweep=job.sweep, point=job.id, system=job.system, variant=job.variant,
+        status=result.get("status", "error"), error=result.get("error", ""), model=job.model,
+        family=spec["family"], num_params=p, num_layers=spec["num_layers"], hidden_size=spec["hidden_size"],
+        intermediate_size=spec["intermediate_size"], width_mult=job.width, seq_len=job.seq_len,
+        batch_size=job.batch_size, micro_batches=job.micro_batches,
+        tokens_per_step=job.tokens_per_step, hardware=hw["label"], emulated=hw["emulated"],
+        gpu_mem_cap_gib=hw.get("gpu_mem_gib"), steps=job.steps, warmup_steps=job.warmup_steps,
+        step_time_median_s=m.get("step_time_median_s") if ok else None,
+        step_time_mean_s=m.get("step_time_mean_s") if ok else None,
+        tokens_per_s=m.get("tokens_per_s") if ok else None, tflops=m.get("tflops") if ok else None,
+        mfu=m.get("mfu") if ok else None, peak_tflops=hw.get("peak_tflops"),
+        gpu_peak_allocated_gib=gib(result.get("gpu_peak_allocated_bytes")),
+        gpu_peak_reserved_gib=gib(result.get("gpu_peak_reserved_bytes")),
+        gpu_peak_nvml_gib=gib(result.get("gpu_peak_nvml_bytes")),
+        host_peak_rss_gib=gib(rss), host_pinned_gib=gib(result.get("host_pinned_bytes")),
+        host_bytes_per_param=(rss / p) if rss and p else None,
+        host_estimate_gib=gib(est), loss_first=m.get("loss_first"), loss_last=m.get("loss_last"),
+        gpu_name=result.get("gpu_name") or env.get("gpu_name", ""), driver=env.get("driver", ""),
+        torch_version=env.get("torch_version", ""), transformers_version=env.get("transformers_version", ""),
+        deepspeed_version=env.get("deepspeed_version", ""), git_sha=env.get("git_sha", ""),
+        host_ram_gib=env.get("host_ram_gib"), date=_now(),
+        duration_s=result.get("duration_s"), optimizer=info.get("optimizer", ""),
+        settings=json.dumps(settings, sort_keys=True, separators=(",", ":"), default=str) if settings else "",
+    )
+
+
+def _now() -> str:
+    from .envinfo import now
+
+    return now()
