@@ -32,17 +32,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_bench import env_info, native_train  # noqa: E402
 from megatrain import EngineConfig, MegaTrain, OptimConfig, get_preset, step_flops  # noqa: E402
-from megatrain.data import synthetic_batch  # noqa: E402
+from megatrain.data import stdlib_text_bytes, synthetic_batch, text_batch  # noqa: E402
 
 GIB = 2**30
 
 
 def batches(spec, args, n):
+    if args.data == "text":  # Python standard-library sources as byte tokens: real text, nothing downloaded
+        text = stdlib_text_bytes(64 << 20)
+        return [text_batch(text, args.batch, args.seq, 0, s % args.distinct) for s in range(n)]
     return [synthetic_batch(spec.vocab_size, args.batch, args.seq, 0, s % args.distinct) for s in range(n)]
 
 
 def base_row(spec, args, system, gpu_resident):
     return dict(system=system, model=spec.name, num_params=spec.num_params(), tokens=args.batch * args.seq,
+                data=args.data, lr=args.lr, steps_measured=args.steps, warmup_steps=args.warmup,
                 seq=args.seq, batch=args.batch, micro_batches=args.micro_batches, gpu_resident=gpu_resident,
                 max_grad_norm=args.max_grad_norm, git_sha=ENV["git_sha"], gpu=ENV.get("gpu"), date=ENV["date"])
 
@@ -140,6 +144,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--distinct", type=int, default=1000, help="distinct batches (1: one repeated batch)")
     p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--data", choices=["random", "text"], default="random")
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--speculate", default="auto")
     p.add_argument("--micro-batches", type=int, default=1)
