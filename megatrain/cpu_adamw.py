@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .optim import adamw_
+from .optim import adamw_, adamw_undo_
 from .system import OptimConfig
 
 SUB = 1 << 20  # fallback: elements per fused call, so the widened fp32 gradient (4 MiB) stays in cache
@@ -59,6 +59,19 @@ class HostKernel:
         self.threads = threads or max(1, torch.get_num_threads())
         self._g32 = None if self.ext is not None else torch.empty(SUB, dtype=torch.float32)
 
+    def undo(self, p, g, m, v, step_t: torch.Tensor, lr: float, redo_coef: float | None) -> None:
+        """Undo a coefficient-1 update (step count ``step_t`` after its increment); then, unless
+        ``redo_coef`` is None, apply the update again with that clip coefficient."""
+        cfg = self.cfg
+        if self.ext is not None:  # one pass over the chunk (float64 arithmetic in registers)
+            self.ext.adamw_undo(p, g, m, v, -1.0 if redo_coef is None else redo_coef, lr, cfg.betas[0],
+                                cfg.betas[1], cfg.eps, cfg.weight_decay, float(step_t), self.threads)
+            return
+        for s in range(0, g.numel(), SUB):  # cache-sized pieces: the float64 temporaries stay small
+            adamw_undo_(p[s:s + SUB], g[s:s + SUB], m[s:s + SUB], v[s:s + SUB], float(step_t), lr, cfg)
+        if redo_coef is not None:
+            self.step(p, g, m, v, step_t, lr, redo_coef)
+
     def step(self, p, g, m, v, step_t: torch.Tensor, lr: float, coef: float) -> None:
         cfg = self.cfg
         if self.ext is not None:
@@ -68,6 +81,8 @@ class HostKernel:
         scale = None if coef == 1.0 else torch.tensor(1.0 / coef, dtype=torch.float32)
         for s in range(0, g.numel(), SUB):
             gs = g[s:s + SUB]
-            if gs.dtype != torch.float32:  # bf16 from the slab, widened in cache
+            # bf16 from the slab is widened in cache; an fp32 gradient is copied too when scaled, because
+            # the fused kernel divides the gradient by grad_scale in place (the caller's must stay intact).
+            if gs.dtype != torch.float32 or scale is not None:
                 gs = self._g32[:gs.numel()].copy_(gs)
             adamw_(p[s:s + SUB], gs, m[s:s + SUB], v[s:s + SUB], step_t, lr, cfg, scale)

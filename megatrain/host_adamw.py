@@ -26,7 +26,6 @@ import torch
 
 from .cpu_adamw import HostKernel
 from .grad_offload import GradStream
-from .optim import adamw_undo_
 from .store import ModelStore
 from .system import OptimConfig
 
@@ -172,12 +171,11 @@ class HostAdamW:
         st = self.store
         if new_step:
             st.steps[name].add_(1)  # the kernels expect the already-incremented count
-        step = float(st.steps[name])
         p, m, v = st.master[name], st.m[name], st.v[name]
         for a, g in self.grad_stream.chunks(flat, ready):
             b = a + g.numel()
-            if undo:  # rare (rollback): float64, not the fast path
-                adamw_undo_(p[a:b], g, m[a:b], v[a:b], step, lr, self.cfg)
-            if coef is not None:
+            if undo:  # rollback: undo in float64, redo with the true coefficient, in one pass
+                self.kernel.undo(p[a:b], g, m[a:b], v[a:b], st.steps[name], lr, coef)
+            elif coef is not None:
                 self.kernel.step(p[a:b], g, m[a:b], v[a:b], st.steps[name], lr, coef)
         st.refresh_shadow(name)

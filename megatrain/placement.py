@@ -131,6 +131,9 @@ def host_parts_for(numels: dict[str, int], tiers: dict[str, str], shape: StepSha
         "host_tier_state": HOST_TIER_BYTES_PER_PARAM * p_host,
         "bf16_shadow": 2 * p_host if shape.bf16_shadow else 0,
         "grad_slabs": shape.slab_bytes_total if p_host else 0,
+        # one group materialised in fp32 on the host while weights are initialised or read from disk (the
+        # allocator keeps it mapped afterwards; measured on CPU)
+        "io_staging": 4 * max(numels.values()),
         "overhead": OVERHEAD_HOST_BYTES,
     }
 

@@ -138,7 +138,8 @@ def measure_engine(spec, variant: str, args) -> dict:
     cfg = EngineConfig(device="cuda", optim=OptimConfig(lr=1e-5), micro_batches=args.micro_batches, **overrides)
     t0 = time.perf_counter()
     torch.cuda.reset_peak_memory_stats()
-    engine = MegaTrain.from_config(spec.to_hf_config("sdpa"), cfg)
+    engine = MegaTrain.from_config(spec.to_hf_config("sdpa"), cfg, tokens_per_step=args.batch * args.seq,
+                                   seq_len=args.seq)  # the placement plan sizes activations for this step
     build_s = time.perf_counter() - t0
     steps = []
     try:

@@ -120,7 +120,9 @@ def test_init_cache_is_written_once_and_shared(tmp_path):
     assert json.loads((d2 / "config.json").read_text())["max_position_embeddings"] == 4096
     shard = next(d2.glob("*.safetensors"))
     assert shard.is_symlink() and shard.resolve().parent == weights.resolve()
-    assert len(list((cache / "weights").iterdir())) == 1 and weights.stat().st_mtime_ns >= mtime
+    # one weights folder (a save is a link to one hidden versioned folder, see megatrain.checkpoint)
+    assert len([p for p in (cache / "weights").iterdir() if not p.name.startswith(".")]) == 1
+    assert weights.stat().st_mtime_ns >= mtime
     # another seed or shape: other weights
     assert K.init_paths(spec, 1, cache)[0] != weights
     assert K.init_paths(dict(spec, num_layers=2), 0, cache)[0] != weights

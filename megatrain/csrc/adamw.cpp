@@ -68,6 +68,54 @@ void adamw_step(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor
   }
 }
 
+// Undo adamw_step (coefficient 1, step count ``step`` after the increment) in float64 and, if redo_coef >= 0,
+// redo it with that clip coefficient, in one pass (the rollback of a speculative update). Same algebra as
+// megatrain.optim.adamw_undo_: p_mid = p + lr/bc1 * m/(sqrt(v)/sqrt(bc2) + eps), / (1 - lr*wd);
+// m = (m - (1-b1) g)/b1; v = (v - (1-b2) g^2)/b2; moments indistinguishable from zero (both below 2^-18 of
+// the new ones) are zero; at step 1 the moments were zeros.
+void adamw_undo(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v, double redo_coef, double lr,
+                double b1, double b2, double eps, double wd, double step, int64_t threads) {
+  TORCH_CHECK(p.is_contiguous() && g.is_contiguous() && m.is_contiguous() && v.is_contiguous(), "contiguous");
+  const int64_t n = p.numel();
+  float* P = p.data_ptr<float>();
+  float* M = m.data_ptr<float>();
+  float* V = v.data_ptr<float>();
+  const bool bf16 = g.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 || g.scalar_type() == torch::kFloat, "gradient must be bf16 or fp32");
+  const uint16_t* G16 = bf16 ? reinterpret_cast<const uint16_t*>(g.data_ptr()) : nullptr;
+  const float* G32 = bf16 ? nullptr : g.data_ptr<float>();
+  const double bc1 = 1.0 - std::pow(b1, step), bc2s = std::sqrt(1.0 - std::pow(b2, step));
+  const double tiny = std::ldexp(1.0, -18);
+  const int nt = threads > 0 ? (int)threads : omp_get_max_threads();
+#pragma omp parallel for schedule(static) num_threads(nt)
+  for (int64_t i = 0; i < n; ++i) {
+    double gi;
+    if (bf16) {
+      uint32_t bits = ((uint32_t)G16[i]) << 16;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      gi = f;
+    } else {
+      gi = G32[i];
+    }
+    const double pd = P[i], md = M[i], vd = V[i];
+    double po = pd + (lr / bc1) * md / (std::sqrt(vd) / bc2s + eps);
+    if (wd != 0.0) po /= (1.0 - lr * wd);
+    double mo = 0.0, vo = 0.0;
+    if (step > 1.0) {
+      mo = (md - (1.0 - b1) * gi) / b1;
+      vo = (vd - (1.0 - b2) * gi * gi) / b2;
+      if (std::fabs(vo) <= vd * tiny && std::fabs(mo) <= std::fabs(md) * tiny) mo = vo = 0.0;
+      if (vo < 0.0) vo = 0.0;
+    }
+    P[i] = (float)po;
+    M[i] = (float)mo;
+    V[i] = (float)vo;
+  }
+  if (redo_coef >= 0.0) adamw_step(p, g, m, v, redo_coef, lr, b1, b2, eps, wd, step, threads);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("adamw_step", &adamw_step, "one-pass fp32 AdamW with a bf16/fp32 gradient (OpenMP)");
+  mod.def("adamw_undo", &adamw_undo, "undo adamw_step in float64 (and redo it with a clip coefficient)");
 }
