@@ -32,7 +32,8 @@ class MegaTrainSystem:
     name = "megatrain"
 
     def __init__(self, *, init_dir, optim: OptimConfig, micro_batches: int = 1, device: str = "cuda",
-                 dtype=None, activation_checkpointing: bool = True, options: dict | None = None):
+                 dtype=None, activation_checkpointing: bool = True, options: dict | None = None,
+                 step_shape: tuple[int, int] | None = None):
         import torch
 
         from megatrain.engine import MegaTrain
@@ -43,10 +44,17 @@ class MegaTrainSystem:
         compute = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[dtype]
         cfg = engine_config(options, optim=optim, micro_batches=micro_batches, device=device,
                             compute_dtype=compute if device != "cpu" else "fp32")
-        self.engine = MegaTrain.from_pretrained(str(init_dir), cfg)
+        shape = {} if step_shape is None else dict(tokens_per_step=step_shape[0] * step_shape[1],
+                                                    seq_len=step_shape[1])
+        self.engine = MegaTrain.from_pretrained(str(init_dir), cfg, **shape)
+        from megatrain import cpu_adamw
+
+        plan = self.engine.placement
         self.info = {"host_estimate_bytes": self.engine.host_estimate["total_bytes"],
                      "pool_slots": self.engine.num_pool_slots, "config": cfg.to_dict(),
-                     "optimizer": "megatrain host AdamW (torch._fused_adamw_)",
+                     "gpu_resident_layers": plan.gpu_layers, "placement": plan.summary(),
+                     "optimizer": (f"GPU tier: torch fused AdamW on {device}; host tier: "
+                                   f"{cpu_adamw.name() if plan.host_names else 'unused'}"),
                      "settings": {k: v for k, v in cfg.to_dict().items() if k in OPTIONS and k != "seed"}}
 
     def step(self, batch) -> StepResult:

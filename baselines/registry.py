@@ -10,6 +10,7 @@ torch nor any framework: a system's module is imported when it is built.
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 
 
@@ -65,12 +66,14 @@ def record(name: str) -> SystemRecord:
 
 
 def build_system(name: str, *, init_dir, optim, micro_batches: int = 1, device: str = "cuda",
-                 dtype=None, activation_checkpointing: bool = True, options: dict | None = None):
+                 dtype=None, activation_checkpointing: bool = True, options: dict | None = None,
+                 step_shape: tuple[int, int] | None = None):
     """Build system ``name`` from the ``save_pretrained`` folder ``init_dir``.
 
     ``options`` holds the system's own knobs (each module's ``OPTIONS`` lists them; unknown keys raise).
     Running out of GPU or host memory while building raises ``baselines.OutOfMemory`` (``.kind`` is
-    "gpu" or "host"); the baselines raise it from ``step`` too. ``dtype`` None: bf16.
+    "gpu" or "host"); the baselines raise it from ``step`` too. ``dtype`` None: bf16. ``step_shape``
+    (rows, seq) goes to builders that take it (the engine sizes its placement plan's activations by it).
     """
     if name not in SYSTEM_RECORDS:
         raise ValueError(f"unknown system {name!r}; choose one of: {', '.join(SYSTEMS)}")
@@ -80,7 +83,10 @@ def build_system(name: str, *, init_dir, optim, micro_batches: int = 1, device: 
 
     rec = SYSTEM_RECORDS[name]
     builder = getattr(importlib.import_module(rec.module), rec.builder)
+    extra = {}
+    if step_shape is not None and "step_shape" in inspect.signature(builder).parameters:
+        extra["step_shape"] = step_shape
     with oom_guard(name, "build"):
         return builder(init_dir=init_dir, optim=optim, micro_batches=micro_batches, device=device,
                        dtype=torch.bfloat16 if dtype is None else dtype,
-                       activation_checkpointing=activation_checkpointing, options=options)
+                       activation_checkpointing=activation_checkpointing, options=options, **extra)

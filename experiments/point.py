@@ -80,7 +80,8 @@ def build_system(job: Job):
         return factory(**kwargs)
     from baselines.registry import build_system as registry_build
 
-    return registry_build(job.system, **kwargs)
+    # The step's shape, for systems that plan memory for it (the engine's placement plan).
+    return registry_build(job.system, step_shape=(job.batch_size, job.seq_len), **kwargs)
 
 
 def _accepts(fn, param: str) -> bool:

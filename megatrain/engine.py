@@ -431,7 +431,7 @@ class MegaTrain:
         stats = MemoryStats(host_rss=self._peak_rss,
                             host_pinned=self.store.pinned_bytes + self.grad_stream.pinned_bytes,
                             extra={"host_estimate_bytes": host_estimate,
-                                   "host_bytes_per_param": host_estimate / max(1, plan.params_on("host")),
+                                   "host_bytes_per_param": (host_estimate / plan.params_on("host")) if plan.params_on("host") else None,
                                    "gpu_estimate_bytes": sum(plan.gpu_parts.values()),
                                    "gpu_resident_layers": plan.gpu_layers, "gpu_tier": plan.gpu_names,
                                    "skipped_steps": self.skipped_steps,
