@@ -41,8 +41,8 @@ def build_meta_model(config):
 
 
 @dataclass
-class ParamSlot:
-    """Where one parameter lives inside a flat group buffer."""
+class ParamSpan:
+    """Where one parameter lives inside a flat group buffer (its span; "slot" is only ever a GPU weight slot)."""
 
     name: str  # name relative to the group's module (e.g. "self_attn.q_proj.weight")
     shape: torch.Size
@@ -50,14 +50,14 @@ class ParamSlot:
     numel: int
 
 
-def flat_layout(named_shapes: list[tuple[str, torch.Size]], align: int = 64) -> tuple[list[ParamSlot], int]:
+def flat_layout(named_shapes: list[tuple[str, torch.Size]], align: int = 64) -> tuple[list[ParamSpan], int]:
     """Offsets of parameters packed in one flat buffer; each start aligned to ``align`` elements so views
     stay 16-byte aligned for vectorised kernels. Returns (slots, total numel incl. padding)."""
     slots, offset = [], 0
     for name, shape in named_shapes:
         offset = (offset + align - 1) // align * align
         numel = int(torch.Size(shape).numel())
-        slots.append(ParamSlot(name, torch.Size(shape), offset, numel))
+        slots.append(ParamSpan(name, torch.Size(shape), offset, numel))
         offset += numel
     return slots, (offset + align - 1) // align * align
 

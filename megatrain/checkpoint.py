@@ -60,7 +60,7 @@ def validate_checkpoint_dir(path, groups: list[Group], meta_model=None) -> None:
     missing_files = sorted({f for f in wmap.values() if not (Path(path) / f).is_file()})
     if missing_files:
         raise FileNotFoundError(f"checkpoint {str(path)!r} is missing weight files: {', '.join(missing_files)}")
-    needed = {name: s.shape for g in groups for name, s in zip(g.hf_names, g.slots)}
+    needed = {name: s.shape for g in groups for name, s in zip(g.hf_names, g.spans)}
     missing = sorted(set(needed) - set(wmap))
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -116,7 +116,7 @@ def iter_init(meta_model, groups: list[Group], seed: int, device: torch.device):
         for m, prefix in zip(modules, ["norm." if g.kind == "final" else "", "lm_head."]):
             for n, p in m.named_parameters():
                 params[prefix + n] = p.detach()
-        yield g, [params[s.name] for s in g.slots]
+        yield g, [params[s.name] for s in g.spans]
         for m in modules:
             m.to(device="meta")
 

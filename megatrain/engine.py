@@ -15,7 +15,7 @@ import copy
 import math
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,16 @@ from .store import ModelStore, make_groups, views
 from .streams import StreamSet
 from .system import IGNORE_INDEX, MemoryStats, StepResult, labels_from_batch, shift_labels, split_micro_batches
 from .validate import validate_batch
+
+
+@dataclass
+class _StepState:
+    """What one step accumulates between its phases."""
+
+    sqnorms: list = field(default_factory=list)  # per-group squared gradient norms (GPU scalars)
+    acc: dict = field(default_factory=dict)  # layer -> gradient being accumulated across micro-batches
+    embed_w: torch.Tensor | None = None  # the resident embedding (the tied head reads it)
+    embed_grad: torch.Tensor | None = None  # tied: the head gradient the embedding backward adds into
 
 
 # Tokens per micro-batch the placement plan sizes activations for unless told (tokens_per_step=...).
@@ -192,16 +202,16 @@ class MegaTrain:
         try:
             self.optimizer.begin_step(self.step_count)  # speculate this step? (host tier)
             self.pool.begin_step(self._load_order())
-            self._sqnorms: list[torch.Tensor] = []
+            st = _StepState()  # this step's gradient bookkeeping, passed along (nothing parked on self)
             timer = _Timer(self.stats, t0)
-            hidden, boundaries, ctx = self._forward(mbs)
+            hidden, boundaries, ctx = self._forward(mbs, st)
             timer("forward_s")
-            loss, d_hidden = self._loss(hidden, mbs, denom)
+            loss, d_hidden = self._loss(hidden, mbs, denom, st)
             timer("loss_s")
-            self._backward(mbs, boundaries, d_hidden, ctx)
+            self._backward(mbs, boundaries, d_hidden, ctx, st)
             timer("backward_s")
             # One sync for every group's squared norm, computed on the GPU while the gradients were there.
-            grad_norm = math.sqrt(float(torch.stack(self._sqnorms).sum()))
+            grad_norm = math.sqrt(float(torch.stack(st.sqnorms).sum()))
             timer("grad_norm_s")
         except BaseException:
             self._recover()
@@ -237,8 +247,8 @@ class MegaTrain:
             order += list(range(start, min(start + self.block, self.num_layers)))
         return order
 
-    def _forward(self, mbs: list[_MicroBatch]):
-        embed_w = self._embed_w = self._resident_weight("embed")[0]
+    def _forward(self, mbs: list[_MicroBatch], st: "_StepState"):
+        embed_w = st.embed_w = self._resident_weight("embed")[0]
         boundaries = make_boundaries(self.cfg, self.streams, model_config=self.config, block=self.block, dtype=self.dtype,
                                      tokens=[mb.ids.numel() for mb in mbs], host=self._boundary_host)
         ctx = []
@@ -260,9 +270,9 @@ class MegaTrain:
                 self.pool.release(slot)
         return hidden, boundaries, ctx
 
-    def _loss(self, hidden: list[torch.Tensor], mbs: list[_MicroBatch], denom: int):
+    def _loss(self, hidden: list[torch.Tensor], mbs: list[_MicroBatch], denom: int, st: "_StepState"):
         final_views = self._resident_weight("final")
-        head_w = self._embed_w if self.tied else final_views[1]
+        head_w = st.embed_w if self.tied else final_views[1]
         head_w = nn.Parameter(head_w, requires_grad=True)  # a leaf sharing the resident buffer
         total = torch.zeros((), device=self.device)
         d_hidden, d_norm, d_head = [], None, None
@@ -274,16 +284,15 @@ class MegaTrain:
             d_norm = dn if d_norm is None else d_norm + dn
             d_head = dw if d_head is None else d_head + dw
         if self.tied:
-            self._embed_grad = d_head  # the embedding backward adds into this, then it goes out once
-            self._resident_grad("final", [d_norm])
+            st.embed_grad = d_head  # the embedding backward adds into this, then it goes out once
+            self._resident_grad("final", [d_norm], st)
         else:
-            self._embed_grad = None
-            self._resident_grad("final", [d_norm, d_head])
+            st.embed_grad = None
+            self._resident_grad("final", [d_norm, d_head], st)
         return total, d_hidden
 
-    def _backward(self, mbs, boundaries, d_hidden, ctx) -> None:
+    def _backward(self, mbs, boundaries, d_hidden, ctx, st: "_StepState") -> None:
         last_mb = len(mbs) - 1
-        self._acc: dict[int, torch.Tensor] = {}
         for start in reversed(range(0, self.num_layers, self.block)):
             layers = list(range(start, min(start + self.block, self.num_layers)))
             slots = [self.pool.acquire(i) for i in layers]  # prefetched while the previous block ran
@@ -305,17 +314,17 @@ class MegaTrain:
                     grads = torch.autograd.grad(outputs[j], [inputs[j], *params], grad, allow_unused=True)
                     grad = grads[0]
                     inputs[j] = outputs[j] = None  # this layer's activations are free now
-                    self._layer_grad(i, params, grads[1:], first=b == 0, last=b == last_mb)
+                    self._layer_grad(i, params, grads[1:], st, first=b == 0, last=b == last_mb)
                     if b == last_mb:
                         self.pool.release(slot)  # weights no longer needed: the slot can prefetch
                 d_hidden[b] = grad
-        self._embedding_backward(mbs, d_hidden)
+        self._embedding_backward(mbs, d_hidden, st)
 
-    def _embedding_backward(self, mbs: list[_MicroBatch], d_hidden: list[torch.Tensor]) -> None:
+    def _embedding_backward(self, mbs: list[_MicroBatch], d_hidden: list[torch.Tensor], st: "_StepState") -> None:
         embed = self.groups[0]
-        grad = self._embed_grad
+        grad = st.embed_grad
         if grad is None:
-            grad = torch.zeros(embed.slots[0].shape, device=self.device, dtype=torch.float32)
+            grad = torch.zeros(embed.spans[0].shape, device=self.device, dtype=torch.float32)
         for mb, dh in zip(mbs, d_hidden):
             ids = mb.ids.reshape(-1)
             dh = dh.reshape(-1, dh.shape[-1]).float()
@@ -323,37 +332,37 @@ class MegaTrain:
                 keep = ids != self.pad_idx
                 ids, dh = ids[keep], dh[keep]
             grad.index_add_(0, ids, dh)
-        self._resident_grad("embed", [grad])
+        self._resident_grad("embed", [grad], st)
 
     # -- gradients out ------------------------------------------------------------------------------
-    def _layer_grad(self, layer: int, params, grads, first: bool, last: bool) -> None:
+    def _layer_grad(self, layer: int, params, grads, st: "_StepState", first: bool, last: bool) -> None:
         """Micro-batch ``b``'s gradient of ``layer``: accumulated on the device across micro-batches and
         handed to the optimizer once, when final."""
         group = self.layer_groups[layer]
         acc_dtype = self.dtype if self.cfg.micro_batches == 1 else torch.float32
         if first:
-            self._acc[layer] = torch.zeros(group.numel, device=self.device, dtype=acc_dtype)
-        flat = self._acc[layer]
+            st.acc[layer] = torch.zeros(group.numel, device=self.device, dtype=acc_dtype)
+        flat = st.acc[layer]
         fixed = [g if g is not None else torch.zeros_like(p) for p, g in zip(params, grads)]
         if first:
             torch._foreach_copy_(views(flat, group), fixed)
         else:
             torch._foreach_add_(views(flat, group), fixed)
         if last:
-            del self._acc[layer]
+            del st.acc[layer]
             # Kept in the compute dtype while it waits (2 B/param on the GPU with bf16).
-            self._grad_ready(group.name, flat.to(self.dtype))
+            self._grad_ready(group.name, flat.to(self.dtype), st)
 
-    def _resident_grad(self, name: str, grads: list[torch.Tensor]) -> None:
+    def _resident_grad(self, name: str, grads: list[torch.Tensor], st: "_StepState") -> None:
         group = self.store.by_name[name]
         flat = torch.zeros(group.numel, device=self.device, dtype=torch.float32)
         torch._foreach_copy_(views(flat, group), grads)
-        self._grad_ready(name, flat)
+        self._grad_ready(name, flat, st)
 
-    def _grad_ready(self, name: str, flat: torch.Tensor) -> None:
+    def _grad_ready(self, name: str, flat: torch.Tensor, st: "_StepState") -> None:
         # The group's squared norm on the GPU while the gradient is there (global clipping needs the sum).
         sqnorm = torch.linalg.vector_norm(flat, dtype=torch.float32).square()
-        self._sqnorms.append(sqnorm)
+        st.sqnorms.append(sqnorm)
         ready = self.streams.record(self.streams.compute)  # the gradient and its norm are written after this
         self.optimizer.grad_ready(name, flat, sqnorm, ready)
 

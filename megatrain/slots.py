@@ -41,8 +41,8 @@ class Slot:
 def bind_template(template: nn.Module, group: Group, buf: torch.Tensor) -> list[nn.Parameter]:
     """Replace every parameter of ``template`` by a view into ``buf`` (once; never copied into again)."""
     params = []
-    for slot_info, view in zip(group.slots, views(buf, group)):
-        owner_name, _, leaf = slot_info.name.rpartition(".")
+    for span, view in zip(group.spans, views(buf, group)):
+        owner_name, _, leaf = span.name.rpartition(".")
         owner = template.get_submodule(owner_name) if owner_name else template
         p = nn.Parameter(view, requires_grad=True)
         owner._parameters[leaf] = p
@@ -66,9 +66,9 @@ class SlotPool:
         numel = max(g.numel for g in layer_groups)
         self.slots = [Slot(i, numel, device, dtype, streams) for i in range(num_slots)]
         # Templates are built per distinct kind; all layers share one parameter layout (checked here).
-        layout = [(s.name, tuple(s.shape), s.offset) for s in layer_groups[0].slots]
+        layout = [(s.name, tuple(s.shape), s.offset) for s in layer_groups[0].spans]
         for g in layer_groups:
-            if [(s.name, tuple(s.shape), s.offset) for s in g.slots] != layout:
+            if [(s.name, tuple(s.shape), s.offset) for s in g.spans] != layout:
                 raise NotImplementedError("decoder layers with different parameter layouts are not supported")
         for slot in self.slots:
             for kind in sorted(set(kinds)):

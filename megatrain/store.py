@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .arch import EMBED_NAME, HEAD_NAME, LAYER_PREFIX, NORM_NAME, ParamSlot, flat_layout
+from .arch import EMBED_NAME, HEAD_NAME, LAYER_PREFIX, NORM_NAME, ParamSpan, flat_layout
 
 
 @dataclass
@@ -21,7 +21,7 @@ class Group:
     name: str  # "embed", "layer.{i}", "final"
     kind: str  # "embed" | "layer" | "final"
     index: int  # layer index, -1 otherwise
-    slots: list[ParamSlot]  # local parameter names and offsets in the flat buffer
+    spans: list[ParamSpan]  # local parameter names and offsets in the flat buffer
     hf_names: list[str]  # full HF state-dict names, aligned with ``slots``
     numel: int  # flat size including alignment padding
 
@@ -54,7 +54,7 @@ def make_groups(meta_model) -> list[Group]:
 
 def views(flat: torch.Tensor, group: Group) -> list[torch.Tensor]:
     """Per-parameter views (shaped) into a group's flat buffer."""
-    return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in group.slots]
+    return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in group.spans]
 
 
 class ModelStore:

@@ -83,13 +83,13 @@ def _inject_nan(engine, layer_name: str, at_call: int):
     orig = engine._grad_ready
     calls = {"n": 0}
 
-    def grad_ready(name, flat):
+    def grad_ready(name, flat, st):
         if name == layer_name:
             calls["n"] += 1
             if calls["n"] == at_call:
                 flat = flat.clone()
                 flat[3] = float("nan")
-        return orig(name, flat)
+        return orig(name, flat, st)
 
     engine._grad_ready = grad_ready
 

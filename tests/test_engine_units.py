@@ -27,7 +27,7 @@ def test_templates_are_views_into_their_slot(engine):
         hi = lo + slot.buf.numel() * slot.buf.element_size()
         for kind, params in slot.params.items():
             names = [n for n, _ in slot.templates[kind].named_parameters()]
-            assert len(params) == len(names) == len(engine.layer_groups[0].slots)
+            assert len(params) == len(names) == len(engine.layer_groups[0].spans)
             for p in slot.templates[kind].parameters():
                 assert lo <= p.data_ptr() < hi
 
