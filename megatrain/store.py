@@ -27,7 +27,7 @@ class Group:
 
     @property
     def num_params(self) -> int:
-        return sum(s.numel for s in self.slots)
+        return sum(s.numel for s in self.spans)
 
 
 def make_groups(meta_model) -> list[Group]:

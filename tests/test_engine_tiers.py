@@ -147,6 +147,7 @@ def test_plan_bytes_match_allocation():
         assert allocated > 0
         assert abs(allocated - plan.state_bytes(tier)) <= 0.02 * allocated
     assert plan.gpu_layers == 2 and plan.tiers["embed"] == "gpu" and plan.tiers["final"] == "host"
+    assert engine.num_params() == spec.num_params()
     engine.close()
 
 
