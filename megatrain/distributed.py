@@ -69,7 +69,7 @@ class DataParallel:
         else:
             self.ctrl = tdist.new_group(tdist.get_process_group_ranks(self.group), backend="gloo",
                                         timeout=timedelta(seconds=self.timeout_s))
-        key = node_key or f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '0')}"
+        self.node_key = key = node_key or f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '0')}"
         mine = (key, os.getpid(), uuid.uuid4().hex[:12])
         everyone: list = [None] * self.world_size
         self._guard("setup (all_gather_object)", lambda: tdist.all_gather_object(everyone, mine, group=self.ctrl))
