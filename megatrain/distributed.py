@@ -134,6 +134,11 @@ class DataParallel:
                 place((name, "shadow"), n, shadow_dtype)
         path = os.path.join(self.shm_dir, f"megatrain-{self.token}.store")
         if self.leader:
+            fs = os.statvfs(self.shm_dir)
+            if off > fs.f_bavail * fs.f_frsize:  # a sparse file past the tmpfs limit would SIGBUS on first touch
+                self.failed = "no room for the host store"
+                raise MemoryError(f"the node's host store needs {off / 2**30:.2f} GiB but {self.shm_dir} has "
+                                  f"{fs.f_bavail * fs.f_frsize / 2**30:.2f} GiB free (tmpfs size limit?)")
             buf = torch.from_file(path, shared=True, size=off, dtype=torch.uint8)  # created, zero-filled
         self.barrier("host store created")
         if not self.leader:
