@@ -440,6 +440,8 @@ class MegaTrain:
         self.synchronize()
         if self.dist is None or self.dist.rank == 0:  # data parallel: every rank holds the same model
             checkpoint.save(self, path)
+        if self.dist:
+            self.dist.barrier("checkpoint written")  # nobody reads it (resume) before it is complete
 
     save_pretrained = save
 
