@@ -16,6 +16,7 @@ which its host AdamW slice needs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -43,6 +44,7 @@ GIB = 2**30
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-7b")
+    p.add_argument("--layers", type=int, default=0, help="override the preset's decoder layers (capacity runs)")
     p.add_argument("--batch", type=int, default=158, help="rows per rank")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=3, help="timed steps")
@@ -72,6 +74,8 @@ def main() -> None:
     dp = DataParallel(timeout_s=args.timeout_s)
     rank, world = dp.rank, dp.world_size
     spec = get_preset(args.model)
+    if args.layers:
+        spec = dataclasses.replace(spec, num_layers=args.layers, name=f"{spec.name}-L{args.layers}")
     tokens_rank = args.batch * args.seq
     cfg = EngineConfig(device=f"cuda:{local_rank}" if cuda else "cpu", micro_batches=args.micro_batches,
                        checkpoint_interval=args.checkpoint_interval, gpu_resident=args.gpu_resident,
