@@ -186,7 +186,8 @@ def _memory_rank(rank, world, shared):
     after = measure()
     state = engine.store.bytes_on("cpu")
     engine.close()
-    return {"pss": after.pss - before.pss, "uss": after.uss - before.uss, "state": state}
+    return {"pss": after.pss - before.pss, "uss": after.uss - before.uss, "state": state,
+            "shm_file": os.path.join(dp.shm_dir, f"megatrain-{dp.token}.store")}
 
 
 def test_host_store_is_mapped_once_per_node(tmp_path):
@@ -197,6 +198,7 @@ def test_host_store_is_mapped_once_per_node(tmp_path):
     state = ranks[0]["state"]
     assert state > 150e6  # the host state dominates the per-rank noise
     total_pss = sum(r["pss"] for r in ranks)
+    assert not os.path.exists(ranks[0]["shm_file"])  # unlinked once every rank had it mapped
     assert 0.85 * state < total_pss < 1.3 * state, (total_pss / state, ranks)
     for r in ranks:  # each rank's own pages: its slices of m, v (~8 B/param / 2) plus working memory
         assert r["uss"] < 0.6 * state, (r["uss"] / state, ranks)
@@ -205,7 +207,6 @@ def test_host_store_is_mapped_once_per_node(tmp_path):
     private = launch(_memory_rank, 2, tmp_path, shared=False)
     _check(private)
     assert sum(r["pss"] for r in private) > 1.8 * state
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("megatrain-")]  # unlinked once mapped
 
 
 # -- (c) a rank that dies ---------------------------------------------------------------------------------------
