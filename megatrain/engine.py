@@ -67,10 +67,11 @@ class MegaTrain:
     # -- construction --------------------------------------------------------------------------------
     def __init__(self, hf_config, cfg: EngineConfig | None = None, *, _weights: str = "init",
                  _source: str | None = None, verbose: bool = True, tokens_per_step: int | None = None,
-                 seq_len: int | None = None, tiers: dict[str, str] | None = None):
+                 seq_len: int | None = None, tiers: dict[str, str] | None = None, dist=None):
         """``tokens_per_step`` / ``seq_len``: the step the placement plan sizes activations for (default:
         one max-length sequence per micro-batch). ``tiers``: group name -> "gpu" | "host", overriding
-        the plan's choice (advanced; tests use it for mixed placements)."""
+        the plan's choice (advanced; tests use it for mixed placements). ``dist``: a
+        ``megatrain.distributed.DataParallel`` to train data-parallel with one host store per node."""
         cfg = cfg or EngineConfig()
         arch.check_supported(hf_config)
         hf_config = copy.deepcopy(hf_config)
@@ -78,6 +79,7 @@ class MegaTrain:
         hf_config._attn_implementation = cfg.attn_implementation
         hf_config.use_cache = False
         self.cfg = cfg
+        self.dist = dist
         self.config = hf_config
         self.device = cfg.resolved_device()
         self.dtype = cfg.resolved_compute_dtype()
@@ -108,18 +110,25 @@ class MegaTrain:
         # The store (12 B/param on each group's tier), then weights into it.
         devices = {name: (self.device if tier == "gpu" else torch.device("cpu"))
                    for name, tier in self.placement.tiers.items()}
-        self.store = ModelStore(self.groups, devices, torch.bfloat16 if cfg.stream_dtype == "bf16" else None, pin)
+        shadow = torch.bfloat16 if cfg.stream_dtype == "bf16" else None
+        # Data parallel: the host tier lives once per node in shared memory, written by the node's leader.
+        shared = dist.host_arena(self.groups, self.placement.host_names, shadow) if dist else None
+        self.store = ModelStore(self.groups, devices, shadow, pin, shared=shared)
+        writer = dist.writer(self.store) if dist else self.store
         if _weights == "init":
-            checkpoint.init_into(self.store, self.meta, self.groups, cfg.seed, self.device)
+            checkpoint.init_into(writer, self.meta, self.groups, cfg.seed, self.device)
         else:
-            checkpoint.load_into(self.store, _source, self.groups)
+            checkpoint.load_into(writer, _source, self.groups)
         for g in self.groups:
-            self.store.refresh_shadow(g.name)
+            writer.refresh_shadow(g.name)
+        if dist:
+            dist.barrier("weights written")  # the others read what the leader wrote only after this
 
         # Optimizers: one implementation per tier behind one interface (megatrain/optim.py).
         self.grad_stream = GradStream(self.streams, cfg.grad_slabs, pin=pin)
-        self.host_opt = HostAdamW(self.store, cfg.optim, self.placement.host_names, self.grad_stream,
-                                  background=cfg.overlap_optimizer)
+        host_adamw = dist.host_adamw if dist else HostAdamW  # data parallel: each local rank updates a slice
+        self.host_opt = host_adamw(self.store, cfg.optim, self.placement.host_names, self.grad_stream,
+                                   background=cfg.overlap_optimizer)
         self.device_opt = DeviceAdamW(self.store, cfg.optim, self.placement.gpu_names, self.streams)
         self.optimizer = Optimizers([self.device_opt, self.host_opt], cfg.optim, cfg.speculate)
 
@@ -177,7 +186,10 @@ class MegaTrain:
         ``cfg`` is given)."""
         saved_cfg, step = checkpoint.read_engine_state(path)
         engine = cls.from_pretrained(path, cfg or saved_cfg, **kw)
-        checkpoint.load_optimizer_into(engine.store, path, engine.groups)
+        dist = engine.dist
+        checkpoint.load_optimizer_into(dist.writer(engine.store) if dist else engine.store, path, engine.groups)
+        if dist:
+            dist.barrier("optimizer state loaded")
         engine.step_count = step
         return engine
 
@@ -207,6 +219,8 @@ class MegaTrain:
             hidden, boundaries, ctx = self._forward(mbs, st)
             timer("forward_s")
             loss, d_hidden = self._loss(hidden, mbs, denom, st)
+            if self.dist:
+                self.dist.all_reduce_(loss, "the loss")  # for reporting: the global mean token loss
             timer("loss_s")
             self._backward(mbs, boundaries, d_hidden, ctx, st)
             timer("backward_s")
@@ -360,6 +374,8 @@ class MegaTrain:
         self._grad_ready(name, flat, st)
 
     def _grad_ready(self, name: str, flat: torch.Tensor, st: "_StepState") -> None:
+        if self.dist:  # SUM over ranks: every rank holds the exact global gradient (and the same norm)
+            self.dist.all_reduce_(flat, f"the gradient of {name}")
         # The group's squared norm on the GPU while the gradient is there (global clipping needs the sum).
         sqnorm = torch.linalg.vector_norm(flat, dtype=torch.float32).square()
         st.sqnorms.append(sqnorm)
@@ -399,6 +415,8 @@ class MegaTrain:
             mask = part.get("attention_mask")
             mbs.append(_MicroBatch(ids.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True),
                                    None if mask is None else mask.to(self.device), pos.to(self.device)))
+        if self.dist:  # every rank divides by the global count: gradients then simply add up
+            denom = self.dist.all_reduce_count(denom)
         if denom == 0:
             raise ValueError("batch has no labelled tokens (every target is -100 after shifting)")
         return mbs, denom, tokens
@@ -429,7 +447,10 @@ class MegaTrain:
         """Weights (HF safetensors layout, loadable by ``from_pretrained`` and by HF), AdamW state and
         the step counter; written to a temporary folder and renamed, so a crash leaves no half save."""
         self.synchronize()
-        checkpoint.save(self, path)
+        if self.dist is None or self.dist.rank == 0:  # data parallel: every rank holds the same model
+            checkpoint.save(self, path)
+        if self.dist:
+            self.dist.barrier("checkpoint written")  # nobody reads it (resume) before it is complete
 
     save_pretrained = save
 

@@ -151,7 +151,7 @@ class HostAdamW:
         for name in self.names:  # the order the next forward needs them
             flat, _, ready = st.grads.pop(name, (None, None, None))
             if flat is None:  # an aborted step never produced this gradient
-                self._done[name].set()
+                self._group_final(st, name)
                 continue
             if coef is None:  # skipped step: undo what was applied early, leave the rest untouched
                 if name in st.early:
@@ -163,7 +163,15 @@ class HostAdamW:
             else:
                 self._apply(name, flat, ready, lr, coef=coef, undo=False, new_step=True)
             del flat  # every copy from it has completed: the GPU gradient can be freed
-            self._done[name].set()
+            self._group_final(st, name)
+
+    def _group_final(self, st: _StepState, name: str) -> None:
+        """``name`` is final for step ``st``: its next load may proceed."""
+        self._done[name].set()
+
+    def _range(self, name: str) -> tuple[int, int]:
+        """The elements of ``name`` this process updates (all of them; data parallel splits them)."""
+        return 0, self.store.by_name[name].numel
 
     def _apply(self, name: str, flat, ready, lr: float, coef: float | None, undo: bool, new_step: bool) -> None:
         """Stream ``name``'s gradient through the slabs and, per chunk: optionally undo the coefficient-1
@@ -172,10 +180,12 @@ class HostAdamW:
         if new_step:
             st.steps[name].add_(1)  # the kernels expect the already-incremented count
         p, m, v = st.master[name], st.m[name], st.v[name]
-        for a, g in self.grad_stream.chunks(flat, ready):
+        lo, hi = self._range(name)
+        for a, g in self.grad_stream.chunks(flat[lo:hi], ready):
+            a += lo
             b = a + g.numel()
             if undo:  # rollback: undo in float64, redo with the true coefficient, in one pass
                 self.kernel.undo(p[a:b], g, m[a:b], v[a:b], st.steps[name], lr, coef)
             elif coef is not None:
                 self.kernel.step(p[a:b], g, m[a:b], v[a:b], st.steps[name], lr, coef)
-        st.refresh_shadow(name)
+        st.refresh_shadow(name, lo, hi)

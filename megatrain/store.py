@@ -69,16 +69,24 @@ class ModelStore:
     """
 
     def __init__(self, groups: list[Group], devices: dict[str, torch.device], shadow_dtype: torch.dtype | None,
-                 pin: bool):
+                 pin: bool, shared: dict[tuple[str, str], torch.Tensor] | None = None):
+        """``shared``: (group, "master" | "m" | "v" | "shadow") -> a zero-filled tensor to use instead of a
+        private allocation (data parallel: the node's host tier in shared memory, megatrain/distributed.py)."""
         self.groups = groups
         self.by_name = {g.name: g for g in groups}
         self.devices = dict(devices)
         dev = self.devices
-        self.master = {g.name: torch.zeros(g.numel, dtype=torch.float32, device=dev[g.name]) for g in groups}
-        self.m = {g.name: torch.zeros(g.numel, dtype=torch.float32, device=dev[g.name]) for g in groups}
-        self.v = {g.name: torch.zeros(g.numel, dtype=torch.float32, device=dev[g.name]) for g in groups}
+        shared = shared or {}
+
+        def new(g: Group, what: str, dtype=torch.float32, device=None):
+            t = shared.get((g.name, what))
+            return t if t is not None else torch.zeros(g.numel, dtype=dtype, device=device or dev[g.name])
+
+        self.master = {g.name: new(g, "master") for g in groups}
+        self.m = {g.name: new(g, "m") for g in groups}
+        self.v = {g.name: new(g, "v") for g in groups}
         # The bf16 shadow exists only for host-tier groups (GPU-tier weights are cast on the GPU).
-        self.shadow = ({g.name: torch.zeros(g.numel, dtype=shadow_dtype) for g in groups if dev[g.name].type == "cpu"}
+        self.shadow = ({g.name: new(g, "shadow", shadow_dtype, "cpu") for g in groups if dev[g.name].type == "cpu"}
                        if shadow_dtype is not None else None)
         # One optimizer step counter per group (a tensor on the group's device, as the fused kernels expect).
         self.steps = {g.name: torch.zeros((), dtype=torch.float32, device=dev[g.name]) for g in groups}
@@ -114,9 +122,10 @@ class ModelStore:
             return self.shadow[name]
         return self.master[name]
 
-    def refresh_shadow(self, name: str) -> None:
+    def refresh_shadow(self, name: str, lo: int = 0, hi: int | None = None) -> None:
+        """Copy the master (elements ``lo:hi``, default all) into the bf16 shadow, if there is one."""
         if self.shadow is not None and name in self.shadow:
-            self.shadow[name].copy_(self.master[name])
+            self.shadow[name][lo:hi].copy_(self.master[name][lo:hi])
 
     def param_views(self, name: str) -> dict[str, torch.Tensor]:
         """HF name -> fp32 master view (on the group's device)."""
