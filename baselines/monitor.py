@@ -48,9 +48,12 @@ class Monitor:
             procs = [self._proc] + self._proc.children(recursive=True)
         except ps.Error:
             return 0
+        # Several processes (torchrun ranks) map one shared host store: RSS would count it once per rank,
+        # PSS splits shared pages among them, so the sum is the node's memory.
+        many = sum(1 for p in procs if "python" in (p.name() or "")) > 1 if len(procs) > 1 else False
         for p in procs:
             try:
-                total += p.memory_info().rss
+                total += p.memory_full_info().pss if many else p.memory_info().rss
             except ps.Error:
                 pass
         return total

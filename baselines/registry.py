@@ -40,7 +40,7 @@ class SystemRecord:
 
 SYSTEM_RECORDS: dict[str, SystemRecord] = {r.name: r for r in (
     SystemRecord("megatrain", "baselines.megatrain_system", "MegaTrain", "MegaTrain", "#D55E00", "o",
-                 description="host RAM holds the model; layers streamed to the GPU"),
+                 description="host RAM holds the model; layers streamed to the GPU", max_gpus=8),
     SystemRecord("zero3", "baselines.zero3", "DeepSpeed ZeRO-3 offload", "ZeRO-3", "#0072B2", "s",
                  description="ZeRO-3, parameters and optimizer state offloaded to pinned CPU memory"),
     SystemRecord("zero2", "baselines.zero3", "DeepSpeed ZeRO-2 optimizer offload", "ZeRO-2", "#56B4E9", "P",
@@ -67,7 +67,7 @@ def record(name: str) -> SystemRecord:
 
 def build_system(name: str, *, init_dir, optim, micro_batches: int = 1, device: str = "cuda",
                  dtype=None, activation_checkpointing: bool = True, options: dict | None = None,
-                 step_shape: tuple[int, int] | None = None):
+                 step_shape: tuple[int, int] | None = None, dist=None):
     """Build system ``name`` from the ``save_pretrained`` folder ``init_dir``.
 
     ``options`` holds the system's own knobs (each module's ``OPTIONS`` lists them; unknown keys raise).
@@ -84,8 +84,15 @@ def build_system(name: str, *, init_dir, optim, micro_batches: int = 1, device: 
     rec = SYSTEM_RECORDS[name]
     builder = getattr(importlib.import_module(rec.module), rec.builder)
     extra = {}
-    if step_shape is not None and "step_shape" in inspect.signature(builder).parameters:
+    params = inspect.signature(builder).parameters
+    anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    accepted = set(params) | ({"step_shape", "dist"} if anything and name == "megatrain" else set())
+    if step_shape is not None and "step_shape" in accepted:
         extra["step_shape"] = step_shape
+    if dist is not None:
+        if "dist" not in accepted:
+            raise ValueError(f"system {name!r} does not train data-parallel through the runner (gpus > 1)")
+        extra["dist"] = dist
     with oom_guard(name, "build"):
         return builder(init_dir=init_dir, optim=optim, micro_batches=micro_batches, device=device,
                        dtype=torch.bfloat16 if dtype is None else dtype,

@@ -94,6 +94,7 @@ class HardwareConfig:
     gpu_mem_gib: Optional[float] = None  # cap; None = no cap
     peak_tflops: Optional[float] = None  # None = look the real GPU up in PEAK_TFLOPS
     emulated: bool = False
+    gpus: Optional[int] = None  # GPUs of the node used data-parallel (None: the run-level ``gpus``)
     description: str = ""
 
 

@@ -40,9 +40,10 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def run_child(args: list[str], *, timeout: float, log_path: Path, monitor: bool = False,
-              threads: int | None = None) -> dict:
+              threads: int | None = None, nproc: int = 1) -> dict:
     """Run ``python -m experiments.point *args`` in a new session with its output appended to
-    ``log_path``; on timeout the whole process group is terminated (then killed)."""
+    ``log_path``; on timeout the whole process group is terminated (then killed). ``nproc`` > 1: through
+    torchrun, one process per GPU of this node (data parallel)."""
     env = os.environ.copy()
     env["PYTHONUNBUFFERED"] = "1"
     env["MEGATRAIN_RUNNER_PID"] = str(os.getpid())
@@ -50,6 +51,9 @@ def run_child(args: list[str], *, timeout: float, log_path: Path, monitor: bool 
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(int(threads))
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     cmd = [sys.executable, "-m", "experiments.point", *args]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "experiments.point", *args]
     t0 = time.time()
     timed_out = False
     with open(log_path, "ab") as logf:
@@ -128,7 +132,7 @@ def launch(job: Job, *, timeout: float, init_timeout: float, log=print) -> dict:
                           host_peak_rss_bytes=child.get("outside_peak_rss_bytes"))
             return result
     child = run_child([str(pjson)], timeout=timeout, log_path=log_path, monitor=True,
-                      threads=job.torch_threads)
+                      threads=job.torch_threads, nproc=job.gpus)
     rjson = pdir / "result.json"
     if rjson.exists() and not child["timed_out"]:
         try:

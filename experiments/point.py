@@ -80,8 +80,22 @@ def build_system(job: Job):
         return factory(**kwargs)
     from baselines.registry import build_system as registry_build
 
-    # The step's shape, for systems that plan memory for it (the engine's placement plan).
-    return registry_build(job.system, step_shape=(job.batch_size, job.seq_len), **kwargs)
+    # The step's shape, for systems that plan memory for it (the engine's placement plan); under torchrun
+    # the engine trains data-parallel over the ranks (one host store per node).
+    extra = {}
+    if _world() > 1:
+        from megatrain.distributed import DataParallel
+
+        extra["dist"] = DataParallel()
+    return registry_build(job.system, step_shape=(job.batch_size, job.seq_len), **kwargs, **extra)
+
+
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 def _accepts(fn, param: str) -> bool:
@@ -116,13 +130,13 @@ def summarize(records: list[dict], job: Job) -> dict:
     if not times:
         return out
     med = statistics.median(times)
-    tokens = job.batch_size * job.seq_len
+    tokens = job.tokens_per_step  # batch_size is per GPU: every GPU's tokens count
     flops = step_flops(job.num_params, job.spec["num_layers"], job.spec["hidden_size"], job.seq_len, tokens)
     tflops = flops / med / 1e12 if med > 0 else None
     peak = job.hardware.get("peak_tflops")
     out.update(step_time_median_s=med, step_time_mean_s=statistics.fmean(times),
                tokens_per_s=tokens / med if med > 0 else None, tflops=tflops,
-               mfu=(tflops / peak) if (tflops is not None and peak) else None, step_flops=flops)
+               mfu=(tflops / (peak * job.gpus)) if (tflops is not None and peak) else None, step_flops=flops)
     return out
 
 
@@ -231,7 +245,8 @@ def train(job: Job) -> int:
         with open(pdir / "metrics.jsonl", "a") as mf, \
                 tqdm(total=total, desc="steps", file=sys.stderr, mininterval=5, dynamic_ncols=False) as bar:
             for i in range(total):
-                batch = synthetic_batch(vocab, job.batch_size, job.seq_len, job.seed, step=i)
+                # data parallel: rank r's batch of step i is its own (batch_size rows per GPU)
+                batch = synthetic_batch(vocab, job.batch_size, job.seq_len, job.seed, step=i * _world() + _rank())
                 sync()
                 t = time.perf_counter()
                 r = system.step(batch)
@@ -303,8 +318,8 @@ def _die_with_runner() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:
         return
-    if os.getppid() != int(runner):  # the runner died before prctl took effect
-        os._exit(1)
+    if os.getppid() != int(runner) and "LOCAL_RANK" not in os.environ:  # the runner died before prctl
+        os._exit(1)  # (under torchrun the parent is torchrun's agent, itself the runner's child)
 
 
 def main(argv=None) -> int:
@@ -314,7 +329,44 @@ def main(argv=None) -> int:
     ap.add_argument("--init", action="store_true", help="only write the model's initial weights into the cache")
     args = ap.parse_args(argv)
     job = Job.load(args.job_json)
-    return init_main(job) if args.init else train(job)
+    if args.init:
+        return init_main(job)
+    if _world() == 1:
+        return train(job)
+    return train_rank(job)
+
+
+def train_rank(job: Job) -> int:
+    """One rank of a data-parallel point (under torchrun, ``gpus`` > 1): its own GPU and share of the
+    threads, its own batch of ``batch_size`` rows; rank 0 writes the point's files."""
+    import dataclasses
+
+    import torch
+    import torch.distributed as tdist
+
+    local, local_world = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cuda = job.device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(local)
+        job = dataclasses.replace(job, device=f"cuda:{local}")
+    threads = max(1, (job.torch_threads or psutil_cores()) // local_world)
+    job = dataclasses.replace(job, torch_threads=threads)
+    tdist.init_process_group(backend="nccl" if cuda else "gloo")
+    try:
+        if _rank() != 0:  # the other ranks train the same steps but write nothing
+            job = dataclasses.replace(job, point_dir=str(Path(job.point_dir) / f".rank{_rank()}"))
+        return train(job)
+    finally:
+        try:
+            tdist.barrier()  # nobody tears the group down while a peer still uses it
+        finally:
+            tdist.destroy_process_group()
+
+
+def psutil_cores() -> int:
+    import psutil
+
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
 if __name__ == "__main__":

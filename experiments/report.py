@@ -109,7 +109,7 @@ def _formulas(rows: pd.DataFrame) -> list[str]:
             lines.append(f"- Check: the `tflops` column agrees with the formula (±1 %) on all {len(ok)} ok rows.")
         else:
             lines.append(f"- **Check: `tflops` differs from the formula by >1 % on {len(bad)} of {len(ok)} ok rows** "
-                         f"(e.g. {', '.join(f'{r._sweep}/{r.point}/{r.system}' for r in bad.head(5).itertuples())}); "
+                         f"(e.g. {', '.join(f'{r[0]}/{r[1]}/{r[2]}' for r in bad[['_sweep', 'point', 'system']].head(5).values)}); "
                          "the harness may count FLOPs differently.")
     return lines + [""]
 

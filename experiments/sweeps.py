@@ -74,7 +74,8 @@ class Job:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.seq_len * self.batch_size
+        """Tokens of one step over every GPU (``batch_size`` rows per GPU)."""
+        return self.seq_len * self.batch_size * self.gpus
 
     @property
     def num_layers(self) -> int:
@@ -110,6 +111,12 @@ def _container(node) -> Any:
     return node
 
 
+def _max_gpus(system: str) -> int:
+    from baselines.registry import record
+
+    return record(system).max_gpus
+
+
 def hardware_entry(hw: dict, *, device: str, gpu_name: str) -> dict:
     """The point's hardware: label for the CSV, cap, peak TFLOPS and the emulated flag."""
     from .envinfo import short_gpu_name
@@ -123,8 +130,11 @@ def hardware_entry(hw: dict, *, device: str, gpu_name: str) -> dict:
     else:
         label = short_gpu_name(gpu_name) if gpu_name else "gpu"
         peak = hw.get("peak_tflops") or C.peak_tflops_for(gpu_name)
+    gpus = hw.get("gpus")
+    if gpus and int(gpus) > 1:  # several GPUs of the node, data parallel: its own label (and point ids)
+        label = f"{label}x{int(gpus)}"
     return {"name": hw.get("name", "real"), "label": label, "gpu_mem_gib": hw.get("gpu_mem_gib"),
-            "peak_tflops": peak, "emulated": bool(hw.get("emulated", False))}
+            "peak_tflops": peak, "emulated": bool(hw.get("emulated", False)), "gpus": gpus}
 
 
 def merge_options(system: str, base: dict, overrides: dict, variant: str, run_level: dict) -> dict:
@@ -231,13 +241,16 @@ def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name
                                 if pid in seen:
                                     continue
                                 seen.add(pid)
+                                job_common = dict(common, gpus=int(hwe.get("gpus") or common["gpus"]))
+                                if hwe.get("gpus") and _max_gpus(system) < job_common["gpus"]:
+                                    continue  # a several-GPU profile: only systems that can use them
                                 points.append(Job(
                                     id=pid, sweep=sw.name, system=system, variant=variant, model=model,
                                     width=width, spec=pspec.to_dict(), num_params=spec.num_params(),
                                     seq_len=int(seq), batch_size=int(batch), micro_batches=int(cfg.micro_batches),
                                     hardware=hwe, options=opts,
                                     activation_checkpointing=bool(sc.get("activation_checkpointing", True)),
-                                    factory=sc.get("factory"), **common,
+                                    factory=sc.get("factory"), **job_common,
                                 ))
     if cfg.only:
         points = [p for p in points if any(fnmatch.fnmatchcase(p.id, pat) for pat in cfg.only)]

@@ -91,8 +91,8 @@ class Placement:
             return ", ".join(f"{k} {v / GIB:.2f}" for k, v in parts.items() if v)
 
         lines = [f"placement (gpu_resident={self.setting}): GPU tier: {names('gpu')} = "
-                 f"{self.params_on('gpu') / 1e9:.3f}B params; host tier: {names('host')} = "
-                 f"{self.params_on('host') / 1e9:.3f}B params"]
+                 f"{_count(self.params_on('gpu'))} params; host tier: {names('host')} = "
+                 f"{_count(self.params_on('host'))} params"]
         if self.gpu_parts:
             budget = f" of {self.gpu_budget / GIB:.1f} usable" if self.gpu_budget is not None else ""
             lines.append(f"  GPU predicted {sum(self.gpu_parts.values()) / GIB:.2f} GiB{budget} (GiB: {gib(self.gpu_parts)})")
@@ -204,6 +204,11 @@ def _gpu_parts(numels, tiers, shape) -> dict[str, int]:
 
 def _gpu_total(numels, tiers, shape) -> int:
     return sum(_gpu_parts(numels, tiers, shape).values())
+
+
+def _count(n: int) -> str:
+    """12_345_678 -> "12.35M", 7_615_616_512 -> "7.616B" (tiny models stay readable)."""
+    return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def _ranges(xs: list[int]) -> str:

@@ -226,3 +226,20 @@ def test_a_killed_runner_takes_its_point_process_with_it(tmp_path, cache, test_c
         for child in children:  # only if the assertion above failed
             if child.is_running():
                 child.kill()
+
+
+def test_megatrain_data_parallel_point_through_torchrun_on_cpu(tmp_path, cache):
+    """``gpus=2``: the point runs as two torchrun ranks (gloo on CPU), one host store, and the row counts
+    both ranks' tokens; a system without several-GPU support is refused before anything runs."""
+    results = tmp_path / "results"
+    proc = run_runner("sweep=smoke", "system=megatrain", "gpus=2", f"results_dir={results}", f"cache_dir={cache}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    df = schema.read_results(results / "smoke" / "results.csv")
+    row = df.iloc[0]
+    assert row["status"] == "ok", row["error"]
+    assert row["tokens_per_step"] == 2 * row["batch_size"] * row["seq_len"]
+    log = next((results / "smoke").glob("megatrain__*/log.txt")).read_text()
+    assert log.count("[point] ok") == 2  # both ranks trained and finished
+    refused = run_runner("sweep=smoke", "system=native", "gpus=2", f"results_dir={tmp_path / 'r2'}",
+                         f"cache_dir={cache}")
+    assert refused.returncode == 2 and "at most 1 GPU" in refused.stdout + refused.stderr
