@@ -88,8 +88,11 @@ def test_hardware_profiles(compose_fn):
     _, pts = expand(compose_fn, "sweep=hardware", "system=megatrain")
     hw = [(p.hardware["label"], p.hardware["emulated"], p.hardware["gpu_mem_gib"], p.hardware["peak_tflops"])
           for p in pts]
-    assert hw == [("H200", False, None, 797.5), ("A100-80GB", True, 80, 312.0),
+    assert hw == [("H200", False, None, 797.5), ("H200x2", False, None, 797.5), ("A100-80GB", True, 80, 312.0),
                   ("RTX-A6000-48GB", True, 48, 154.8), ("RTX-3090-24GB", True, 24, 142.0)]
+    assert [p.gpus for p in pts] == [1, 2, 1, 1, 1]  # real-x2: two GPUs of the node, data parallel
+    _, pts = expand(compose_fn, "sweep=hardware")
+    assert {p.system for p in pts if p.gpus == 2} == {"megatrain"}  # the others cannot use two GPUs
     _, pts = expand(compose_fn, "sweep=smoke", device="cpu", gpu_name="")
     assert {p.hardware["label"] for p in pts} == {"cpu"} and pts[0].hardware["peak_tflops"] is None
 
