@@ -30,9 +30,11 @@ class DeviceAdamW:
         grads, self._grads = self._grads, {}
         if coef is not None:
             st, lr = self.store, self.cfg.lr_at(step)
+            # One scale tensor for all groups (one tiny host-to-device copy per step, not per group).
+            scale = None
+            if coef != 1.0 and self.names:
+                scale = torch.tensor(1.0 / coef, dtype=torch.float32, device=st.master[self.names[0]].device)
             for name in self.names:
-                dev = st.master[name].device
-                scale = None if coef == 1.0 else torch.tensor(1.0 / coef, dtype=torch.float32, device=dev)
                 st.steps[name].add_(1)  # the fused kernel expects the already-incremented count
                 g = grads.pop(name, None)
                 if g is None:

@@ -69,7 +69,7 @@ class MegaTrain:
                  _source: str | None = None, verbose: bool = True, tokens_per_step: int | None = None,
                  seq_len: int | None = None, tiers: dict[str, str] | None = None, dist=None):
         """``tokens_per_step`` / ``seq_len``: the step the placement plan sizes activations for (default:
-        one max-length sequence per micro-batch). ``tiers``: group name -> "gpu" | "host", overriding
+        one sequence of min(max positions, DEFAULT_PLAN_TOKENS) per micro-batch; a larger batch warns). ``tiers``: group name -> "gpu" | "host", overriding
         the plan's choice (advanced; tests use it for mixed placements). ``dist``: a
         ``megatrain.distributed.DataParallel`` to train data-parallel with one host store per node."""
         cfg = cfg or EngineConfig()
@@ -153,10 +153,11 @@ class MegaTrain:
         seq = seq_len or min(self.config.max_position_embeddings, DEFAULT_PLAN_TOKENS)
         tokens = tokens_per_step or seq * cfg.micro_batches
         self.planned_tokens_per_micro_batch = max(1, tokens // cfg.micro_batches)
+        self._warned_tokens = False  # the over-plan warning is given once
         hc = self.config
         shape = placement.StepShape(
             num_layers=self.num_layers, hidden=hc.hidden_size, ffn=hc.intermediate_size, vocab=hc.vocab_size,
-            micro_batches=cfg.micro_batches, tokens_per_micro_batch=max(1, tokens // cfg.micro_batches),
+            micro_batches=cfg.micro_batches, tokens_per_micro_batch=self.planned_tokens_per_micro_batch,
             block=self.block, num_pool_slots=self.num_pool_slots, compute_bytes=c,
             stream_fp32=cfg.stream_dtype == "fp32", bf16_shadow=cfg.stream_dtype == "bf16",
             slab_bytes_total=cfg.grad_slabs * GradStream.slab_bytes_for() if self.device.type == "cuda" else 0,
@@ -205,7 +206,7 @@ class MegaTrain:
         token loss of the batch (see megatrain.system) before the update."""
         t0 = time.perf_counter()
         mbs, denom, tokens = self._prepare(batch)  # validates; raises before any state changes
-        if tokens // len(mbs) > self.planned_tokens_per_micro_batch and not getattr(self, "_warned_tokens", False):
+        if tokens // len(mbs) > self.planned_tokens_per_micro_batch and not self._warned_tokens:
             self._warned_tokens = True
             warnings.warn(f"this batch has {tokens // len(mbs)} tokens per micro-batch but the placement plan was "
                           f"made for {self.planned_tokens_per_micro_batch}: activations may not fit the GPU; pass "

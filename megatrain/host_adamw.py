@@ -61,7 +61,6 @@ class HostAdamW:
         self.busy_s = 0.0  # worker time spent updating (incl. waiting for D2H chunks)
         self.early_groups = 0  # groups queued for an early (speculative) update
         self.rollbacks = 0  # steps whose early updates are undone (clipping fired or the norm was not finite)
-        self.last_step_busy_s = 0.0
         self._thread = threading.Thread(target=self._worker, name="megatrain-host-adamw", daemon=True)
         self._thread.start()
 

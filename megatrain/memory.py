@@ -15,7 +15,6 @@ import psutil
 
 from .placement import OVERHEAD_HOST_BYTES
 
-OVERHEAD_BYTES = OVERHEAD_HOST_BYTES
 SLAB_BYTES = (1 << 24) * 4  # megatrain.grad_offload.CHUNK_ELEMS fp32 elements per slab
 
 
@@ -33,7 +32,7 @@ def estimate_bytes(layer_numels: list[int], other_numel: int, *, grad_slabs: int
         "adam_m_v_fp32": 8 * p,
         "bf16_shadow": 2 * p if bf16_shadow else 0,
         "grad_slabs": grad_slabs * SLAB_BYTES if on_gpu else 0,
-        "overhead": OVERHEAD_BYTES,
+        "overhead": OVERHEAD_HOST_BYTES,
     }
     total = sum(parts.values())
     return {"total_bytes": total, "num_params": p, "bytes_per_param": total / max(p, 1),
@@ -51,24 +50,3 @@ def host_estimate(spec, *, micro_batches: int = 1, options: dict | None = None, 
     per_layer = (p_total - other) // spec.num_layers
     return estimate_bytes([per_layer] * spec.num_layers, other, grad_slabs=int(opts.get("grad_slabs", 4)),
                           bf16_shadow=opts.get("stream_dtype", "fp32") == "bf16", on_gpu=on_gpu)
-
-
-def format_estimate(est: dict) -> str:
-    """One line; bytes/param stated without the fixed overhead, which dominates tiny models."""
-    gib = 2**30
-    parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in est["parts"].items() if v)
-    return (f"host memory estimate: {est['total_bytes'] / gib:.2f} GiB for {est['num_params'] / 1e9:.3f}B params "
-            f"({est['variable_bytes_per_param']:.2f} bytes/param + {(est['parts']['overhead'] + est['parts']['grad_slabs']) / gib:.2f} GiB fixed; GiB: {parts})")
-
-
-def check_fits(est: dict, margin_gib: float, available: int | None = None) -> None:
-    """Refuse, with the numbers, a model that does not fit in available RAM minus a margin."""
-    available = available_host_bytes() if available is None else available
-    budget = available - int(margin_gib * 2**30)
-    if est["total_bytes"] > budget:
-        gib = 2**30
-        raise MemoryError(
-            f"model does not fit in host RAM: needs {est['total_bytes'] / gib:.2f} GiB "
-            f"({est['bytes_per_param']:.2f} bytes/param x {est['num_params'] / 1e9:.3f}B params) but only "
-            f"{available / gib:.2f} GiB is available (minus a {margin_gib:.1f} GiB margin = {budget / gib:.2f} GiB)"
-        )

@@ -44,10 +44,6 @@ def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
     return min(1.0, max_norm / (total_norm + 1e-6))
 
 
-def global_norm(sqnorms: dict[str, float]) -> float:
-    return math.sqrt(sum(sqnorms.values()))
-
-
 def adamw_(p, g, m, v, step_t, lr: float, cfg: OptimConfig, grad_scale=None) -> None:
     """One fused AdamW update of flat fp32 ``p, m, v`` with fp32 gradient ``g`` (all on one device).
     ``step_t`` is the already-incremented step count (as torch.optim passes it); ``grad_scale`` divides
