@@ -151,7 +151,7 @@ def run(cfg) -> dict:
     for job in jobs:
         job.point_dir, job.cache_dir = str(out / job.id), str(cache)
         job.init_dir = str(K.init_paths(job.spec, job.seed, cache)[1])
-        est = sweeps.host_estimate(job, device)
+        est = sweeps.host_estimate(job, device, env.get("gpu_total_bytes"))
         job.host_estimate_bytes = est["total_bytes"] if est else None
     if cfg.dry_run:
         avail = available_host_bytes()
@@ -160,7 +160,7 @@ def run(cfg) -> dict:
             if prev in schema.DONE_STATUSES and not cfg.redo:
                 action = f"done ({prev})"
             else:
-                est = sweeps.host_estimate(job, device)
+                est = sweeps.host_estimate(job, device, env.get("gpu_total_bytes"))
                 action = sweeps.skip_reason(job, device=device, available_host=avail,
                                             gpu_total=env.get("gpu_total_bytes"), estimate=est) or "run"
                 if est and action == "run" and not record(job.system).on_device:
@@ -190,7 +190,7 @@ def run(cfg) -> dict:
             continue
         reason = sweeps.skip_reason(job, device=device, available_host=available_host_bytes(),
                                     gpu_total=env.get("gpu_total_bytes"),
-                                    estimate=sweeps.host_estimate(job, device))
+                                    estimate=sweeps.host_estimate(job, device, env.get("gpu_total_bytes")))
         if reason:
             result = {"status": "skipped", "error": reason}
             counts["skipped"] += 1

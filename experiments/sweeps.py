@@ -5,9 +5,12 @@ needs, as one typed object (``Job``): the runner writes it as ``job.json``, the 
 back. ``expand`` is pure apart from reading presets; ``validate`` refuses a sweep with an impossible
 point before anything runs; ``skip_reason`` applies the memory rules:
 
-* offloading systems: skipped when MegaTrain's host-memory estimate (``megatrain.memory.host_estimate``;
-  12 B/param of fp32 master + Adam m, v plus gradients and overhead, a lower bound for every system
-  that keeps fp32 Adam state on the host) exceeds the available host RAM;
+* MegaTrain on a GPU: the engine's own two-tier placement plan (``megatrain.memory.plan_for_spec``, the
+  GPU tier filled first, on the real or emulated GPU): skipped when the plan refuses the GPU side or its
+  host side exceeds the available host RAM;
+* other offloading systems: skipped when MegaTrain's pure-streaming host estimate
+  (``megatrain.memory.host_estimate``: 12 B/param of fp32 master + Adam m, v plus overhead, a lower bound
+  for every system that keeps fp32 Adam state on the host) exceeds the available host RAM;
 * on-device systems (native): skipped when 12 B/param (fp32 weights + Adam m, v, before gradients and
   activations) exceeds the GPU's memory (the emulated cap, or the real GPU's total); on the CPU when
   16 B/param (weights, gradients, m, v) exceed the available host RAM;
@@ -258,19 +261,43 @@ def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name
 
 
 # -- memory rules ---------------------------------------------------------------------------------
-def host_estimate(point: Job, device: str) -> dict | None:
-    """MegaTrain's host estimate for the point's model (the system's options for megatrain, the engine
-    defaults for the others); None if megatrain.memory is unavailable."""
+def host_estimate(point: Job, device: str, gpu_total: int | None = None) -> dict | None:
+    """Host bytes the point needs by MegaTrain's memory model: for megatrain on a GPU (``gpu_total`` known)
+    the two-tier plan's host side with the GPU tier filled (key ``gpu_refusal`` set when the plan cannot
+    fit the GPU side at all); otherwise the pure-streaming estimate (the system's options for megatrain,
+    the engine defaults for the others). None if megatrain.memory is unavailable."""
     try:
         from megatrain.memory import host_estimate as est
     except Exception:
         return None
+    if point.system == "megatrain" and device != "cpu" and gpu_total:
+        return _megatrain_plan(point, gpu_capacity_bytes(point, gpu_total) - CUDA_CONTEXT_BYTES)
     options = point.options if point.system == "megatrain" else None
     try:
         return est(point.model_spec(), micro_batches=point.micro_batches, options=options,
                    on_gpu=device != "cpu")
     except TypeError:  # an older signature without on_gpu
         return est(point.model_spec(), micro_batches=point.micro_batches, options=options)
+
+
+def _megatrain_plan(point: Job, gpu_bytes: int) -> dict:
+    """The engine's placement plan for the point with unlimited host RAM: what the host side needs."""
+    from megatrain.memory import plan_for_spec
+
+    spec, refusal = point.model_spec(), None
+    kw = dict(micro_batches=point.micro_batches, tokens_per_step=point.seq_len * point.batch_size)
+    try:
+        plan = plan_for_spec(spec, point.options, gpu_free=gpu_bytes, host_available=1 << 62, **kw)
+    except MemoryError as e:  # the GPU side alone does not fit: the host side of pure streaming, for the numbers
+        refusal = str(e).splitlines()[0].replace("model does not fit: ", "")
+        plan = plan_for_spec(spec, dict(point.options, gpu_resident="0"), gpu_free=1 << 62,
+                             host_available=1 << 62, **kw)
+    host = sum(plan.host_parts.values())
+    return {"total_bytes": host, "num_params": spec.num_params(), "bytes_per_param": host / spec.num_params(),
+            "gpu_refusal": refusal, "plan": plan.summary()}
+
+
+CUDA_CONTEXT_BYTES = 1 << 30  # the CUDA context and torch's own, not available to the plan
 
 
 def gpu_capacity_bytes(point: Job, real_total: int | None) -> int | None:
@@ -300,6 +327,12 @@ def skip_reason(point: Job, *, device: str, available_host: int | None, gpu_tota
             return (f"skipped: all-on-GPU needs >= {NATIVE_BYTES_PER_PARAM} B/param (fp32 weights + Adam m, v) "
                     f"= {need / GIB:.1f} GiB > {cap / GIB:.1f} GiB of GPU memory")
         return None
+    if estimate is not None and estimate.get("gpu_refusal"):
+        return f"skipped: engine plan: {estimate['gpu_refusal']} (host side: {estimate['total_bytes'] / GIB:.1f} GiB)"
+    if estimate is not None and "plan" in estimate and available_host is not None \
+            and estimate["total_bytes"] > available_host:
+        return (f"skipped: engine plan (GPU tier filled first): host needs {estimate['total_bytes'] / GIB:.1f} GiB "
+                f"({p / 1e9:.2f}B params) > available host RAM {available_host / GIB:.1f} GiB")
     if estimate is not None and available_host is not None and estimate["total_bytes"] > available_host:
         return (f"skipped: engine host estimate {estimate['total_bytes'] / GIB:.1f} GiB "
                 f"({estimate['bytes_per_param']:.2f} B/param x {p / 1e9:.2f}B params) > available host RAM "

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from . import activations
+from . import activations, memory
 
 
 class GpuBoundaries:
@@ -192,7 +192,7 @@ def make_boundaries(cfg, streams, *, model_config, block: int, dtype: torch.dtyp
 
 def _gpu_budget(cfg, device, model_config, block: int, dtype: torch.dtype, tokens: list[int]) -> int:
     """GPU bytes the boundaries may use this step (see module doc)."""
-    free, _total = torch.cuda.mem_get_info(device)  # a driver query; it does not wait for queued work
+    free = memory.gpu_free_bytes(device)  # a driver query (and the process's memory fraction); no GPU wait
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # torch's cache: reusable
     parts = activations.gpu_working_set(
         num_layers=model_config.num_hidden_layers, hidden=model_config.hidden_size,

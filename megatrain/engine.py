@@ -155,16 +155,11 @@ class MegaTrain:
         self.planned_tokens_per_micro_batch = max(1, tokens // cfg.micro_batches)
         self._warned_tokens = False  # the over-plan warning is given once
         hc = self.config
-        shape = placement.StepShape(
-            num_layers=self.num_layers, hidden=hc.hidden_size, ffn=hc.intermediate_size, vocab=hc.vocab_size,
-            micro_batches=cfg.micro_batches, tokens_per_micro_batch=self.planned_tokens_per_micro_batch,
-            block=self.block, num_pool_slots=self.num_pool_slots, compute_bytes=c,
-            stream_fp32=cfg.stream_dtype == "fp32", bf16_shadow=cfg.stream_dtype == "bf16",
-            slab_bytes_total=cfg.grad_slabs * GradStream.slab_bytes_for() if self.device.type == "cuda" else 0,
-            loss_chunk_tokens=cfg.loss_chunk_tokens, mlp_chunk_tokens=cfg.mlp_chunk_tokens,
-            boundaries_on_gpu=0 if cfg.boundary_offload == "host" else None)
         on_gpu = self.device.type == "cuda"
-        gpu_free = torch.cuda.mem_get_info(self.device)[0] if on_gpu else 0
+        shape = memory.step_shape(cfg, num_layers=self.num_layers, hidden=hc.hidden_size, ffn=hc.intermediate_size,
+                                  vocab=hc.vocab_size, tokens_per_micro_batch=self.planned_tokens_per_micro_batch,
+                                  compute_bytes=c, on_gpu=on_gpu)
+        gpu_free = memory.gpu_free_bytes(self.device) if on_gpu else 0
         return placement.plan({g.name: g.numel for g in self.groups}, shape, setting=cfg.gpu_resident,
                               on_gpu=on_gpu, gpu_free=gpu_free, host_available=memory.available_host_bytes(),
                               gpu_margin=int(cfg.gpu_margin_gib * placement.GIB),

@@ -11,8 +11,11 @@ count.
 """
 from __future__ import annotations
 
+from dataclasses import fields
+
 import psutil
 
+from . import placement
 from .placement import OVERHEAD_HOST_BYTES
 
 SLAB_BYTES = (1 << 24) * 4  # megatrain.grad_offload.CHUNK_ELEMS fp32 elements per slab
@@ -50,3 +53,57 @@ def host_estimate(spec, *, micro_batches: int = 1, options: dict | None = None, 
     per_layer = (p_total - other) // spec.num_layers
     return estimate_bytes([per_layer] * spec.num_layers, other, grad_slabs=int(opts.get("grad_slabs", 4)),
                           bf16_shadow=opts.get("stream_dtype", "fp32") == "bf16", on_gpu=on_gpu)
+
+
+def gpu_free_bytes(device) -> int:
+    """Free GPU bytes as the plan may use them: the driver's free memory, and no more than what the
+    process's memory fraction leaves (``torch.cuda.set_per_process_memory_fraction``, e.g. the runner's
+    emulated 80 GB GPU) minus what torch has already reserved."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    if fraction < 1.0:
+        free = min(free, int(fraction * total) - torch.cuda.memory_reserved(device))
+    return max(0, int(free))
+
+
+def step_shape(cfg, *, num_layers: int, hidden: int, ffn: int, vocab: int, tokens_per_micro_batch: int,
+               compute_bytes: int, on_gpu: bool) -> "placement.StepShape":
+    """The plan's view of a step for an ``EngineConfig`` (one definition for the engine and for
+    ``plan_for_spec``): K = checkpoint_interval (0 = every layer in one block), slots = K + num_slots - 1."""
+    block = min(cfg.checkpoint_interval or num_layers, num_layers)
+    return placement.StepShape(
+        num_layers=num_layers, hidden=hidden, ffn=ffn, vocab=vocab, micro_batches=cfg.micro_batches,
+        tokens_per_micro_batch=tokens_per_micro_batch, block=block, num_pool_slots=block + cfg.num_slots - 1,
+        compute_bytes=compute_bytes, stream_fp32=cfg.stream_dtype == "fp32", bf16_shadow=cfg.stream_dtype == "bf16",
+        slab_bytes_total=cfg.grad_slabs * SLAB_BYTES if on_gpu else 0,
+        loss_chunk_tokens=cfg.loss_chunk_tokens, mlp_chunk_tokens=cfg.mlp_chunk_tokens,
+        boundaries_on_gpu=0 if cfg.boundary_offload == "host" else None)
+
+
+def spec_group_numels(spec) -> dict[str, int]:
+    """Group sizes (embed, layer.i, final) of a ``ModelSpec`` without building the model (the engine's
+    groups add no padding beyond this; see megatrain.store.make_groups)."""
+    embed = spec.vocab_size * spec.hidden_size
+    final = spec.hidden_size + (0 if spec.tie_embeddings else embed)
+    per_layer = (spec.num_params() - embed - final) // spec.num_layers
+    return {"embed": embed, **{f"layer.{i}": per_layer for i in range(spec.num_layers)}, "final": final}
+
+
+def plan_for_spec(spec, options: dict | None = None, *, micro_batches: int = 1, tokens_per_step: int,
+                  gpu_free: int, host_available: int) -> "placement.Placement":
+    """The engine's two-tier placement plan for a ``ModelSpec`` on a GPU with ``gpu_free`` bytes, without
+    building anything (the runner uses it to skip points that cannot fit). Raises MemoryError with the
+    numbers as the engine would."""
+    from .config import EngineConfig
+
+    opts = {k: v for k, v in dict(options or {}).items() if k in {f.name for f in fields(EngineConfig)}}
+    cfg = EngineConfig(micro_batches=micro_batches, **opts)
+    shape = step_shape(cfg, num_layers=spec.num_layers, hidden=spec.hidden_size, ffn=spec.intermediate_size,
+                       vocab=spec.vocab_size, tokens_per_micro_batch=max(1, tokens_per_step // micro_batches),
+                       compute_bytes=2, on_gpu=True)
+    return placement.plan(spec_group_numels(spec), shape, setting=str(cfg.gpu_resident), on_gpu=True,
+                          gpu_free=gpu_free, host_available=host_available,
+                          gpu_margin=int(cfg.gpu_margin_gib * placement.GIB),
+                          host_margin=int(cfg.host_margin_gib * placement.GIB))

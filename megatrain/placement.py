@@ -18,7 +18,8 @@ N puts the embedding and layers 0..N-1 there (and the head when N = L); "0" is p
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 from . import activations
 
@@ -125,9 +126,32 @@ def gpu_fixed_parts(numels: dict[str, int], shape: StepShape, any_gpu_tier: bool
     return parts
 
 
+def offload_boundaries_if_needed(numels: dict[str, int], tiers: dict[str, str], shape: StepShape,
+                                 gpu_budget: int) -> StepShape:
+    """boundary_offload="auto" (``boundaries_on_gpu`` None) when the GPU side does not fit with every block
+    boundary on the GPU: keep as many as fit there and plan the rest in host memory, as
+    megatrain.boundaries decides at step time. Any other shape is returned as it is."""
+    if shape.boundaries_on_gpu is not None or _gpu_total(numels, tiers, shape) <= gpu_budget:
+        return shape
+    per = shape.tokens_per_micro_batch * shape.hidden * shape.compute_bytes
+    rest = _gpu_total(numels, tiers, replace(shape, boundaries_on_gpu=0))  # includes the 2 in flight
+    return replace(shape, boundaries_on_gpu=int(max(0, (gpu_budget - rest) // per)))
+
+
+def host_boundaries(shape: StepShape) -> int:
+    """Host bytes of the block boundaries the shape does not keep on the GPU (pinned on CUDA)."""
+    if shape.boundaries_on_gpu is None:
+        return 0
+    return activations.host_boundary_bytes(
+        num_layers=shape.num_layers, hidden=shape.hidden, micro_batches=shape.micro_batches,
+        tokens_per_micro_batch=shape.tokens_per_micro_batch, block=shape.block, compute_bytes=shape.compute_bytes,
+        boundaries_on_gpu=shape.boundaries_on_gpu)
+
+
 def host_parts_for(numels: dict[str, int], tiers: dict[str, str], shape: StepShape) -> dict[str, int]:
     p_host = sum(n for name, n in numels.items() if tiers[name] == "host")
     return {
+        "offloaded_boundaries": host_boundaries(shape),
         "host_tier_state": HOST_TIER_BYTES_PER_PARAM * p_host,
         "bf16_shadow": 2 * p_host if shape.bf16_shadow else 0,
         "grad_slabs": shape.slab_bytes_total if p_host else 0,
@@ -175,6 +199,8 @@ def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool
                     tiers = trial
         else:
             tiers = tiers_for_layers(names, int(setting))
+    if on_gpu:
+        shape = offload_boundaries_if_needed(numels, tiers, shape, gpu_budget)
     placement = Placement(tiers=dict(tiers), numels=dict(numels), setting=setting,
                           gpu_budget=gpu_budget, host_budget=host_budget)
     placement.gpu_parts = _gpu_parts(numels, tiers, shape)

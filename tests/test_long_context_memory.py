@@ -129,3 +129,30 @@ def test_choose_block_trades_boundaries_for_recompute():
     k, on_gpu = choose_block(gpu_bytes=150 * G, host_bytes=20 * one, tokens_per_micro_batch=t, mlp_chunk_tokens=0,
                              **shape)
     assert k == 1 and 28 - on_gpu <= 20
+
+
+def test_plan_puts_offloaded_boundaries_on_the_host_side():
+    """The placement plan counts boundaries where they will live: on the host with boundary_offload="host";
+    with "auto", on the GPU while they fit beside the working set, the rest on the host (as
+    megatrain.boundaries decides at step time); and it refuses with the host's numbers when neither fits."""
+    import dataclasses
+
+    from megatrain.memory import plan_for_spec
+    from megatrain.spec import get_preset
+
+    gib = 2**30
+    spec = dataclasses.replace(get_preset("qwen2.5-7b"), max_position_embeddings=512 * K)
+    per = 256 * K * 3584 * 2  # one 256K boundary in bf16
+    kw = dict(tokens_per_step=256 * K, gpu_free=139 * gib, host_available=124 * gib)
+    host = plan_for_spec(spec, {"boundary_offload": "host"}, **kw)
+    assert host.host_parts["offloaded_boundaries"] == 28 * per
+    auto = plan_for_spec(spec, {"boundary_offload": "auto"}, **kw)  # fits with all 28 on the GPU
+    assert auto.host_parts["offloaded_boundaries"] == 0 and auto.gpu_parts["boundaries"] == 28 * per
+    # a GPU too small for all of them: pure streaming keeps g on the GPU (+2 in flight), 28 - g on the host
+    small = plan_for_spec(spec, {"boundary_offload": "auto"}, **dict(kw, gpu_free=100 * gib))
+    g = small.gpu_parts["boundaries"] // per - 2
+    assert 0 < g < 28 and small.host_parts["offloaded_boundaries"] == (28 - g) * per
+    assert sum(small.gpu_parts.values()) <= 94 * gib and not small.gpu_names
+    # 512K: boundaries (98 GiB) + working set + the 85 GiB model state exceed GPU + host: refused, host numbers
+    with pytest.raises(MemoryError, match="host needs"):
+        plan_for_spec(spec, {"boundary_offload": "auto"}, **dict(kw, tokens_per_step=512 * K))

@@ -133,16 +133,26 @@ def test_system_filter_and_errors(compose_fn):
 def test_skip_rules(compose_fn):
     _, pts = expand(compose_fn, "sweep=size")
     by = {(p.system, p.model): p for p in pts}
-    mt7, mt14 = by[("megatrain", "qwen2.5-7b")], by[("megatrain", "qwen2.5-14b")]
-    est7, est14 = sweeps.host_estimate(mt7, "cuda"), sweeps.host_estimate(mt14, "cuda")
-    avail = 126 * GIB  # the H200 node
-    assert est7["total_bytes"] < avail < est14["total_bytes"]
-    kw = dict(device="cuda", available_host=avail, gpu_total=141 * GIB)
+    avail, gpu = 126 * GIB, 141 * GIB  # the H200 node
+    kw = dict(device="cuda", available_host=avail, gpu_total=gpu)
+    # MegaTrain on a GPU: the engine's two-tier plan. 14B fits (GPU tier + host tier), 32B does not (host).
+    mt7, mt14, mt32 = (by[("megatrain", m)] for m in ("qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b"))
+    est7, est14, est32 = (sweeps.host_estimate(j, "cuda", gpu) for j in (mt7, mt14, mt32))
+    assert est7["total_bytes"] < 8 * GIB  # everything on the GPU tier
+    assert 60 * GIB < est14["total_bytes"] < avail
     assert sweeps.skip_reason(mt7, estimate=est7, **kw) is None
-    reason = sweeps.skip_reason(mt14, estimate=est14, **kw)
-    assert reason.startswith("skipped: engine host estimate") and "GiB" in reason
+    assert sweeps.skip_reason(mt14, estimate=est14, **kw) is None
+    reason = sweeps.skip_reason(mt32, estimate=est32, **kw)
+    assert reason.startswith("skipped: engine plan (GPU tier filled first): host needs") and "GiB" in reason
+    # the pure-streaming estimate (12 B/param) would have skipped 14B: the plan is what the engine does
+    assert sweeps.host_estimate(mt14, "cuda")["total_bytes"] > avail
+    # a GPU-side refusal (72B: its gradients alone exceed the GPU) is a skip with the plan's numbers
+    mt72 = by[("megatrain", "qwen2.5-72b")]
+    est72 = sweeps.host_estimate(mt72, "cuda", gpu)
+    assert est72["gpu_refusal"] and est72["total_bytes"] > 800 * GIB
+    assert sweeps.skip_reason(mt72, estimate=est72, **kw).startswith("skipped: engine plan: GPU needs")
     zero3_14 = by[("zero3", "qwen2.5-14b")]
-    assert sweeps.skip_reason(zero3_14, estimate=sweeps.host_estimate(zero3_14, "cuda"), **kw)
+    assert sweeps.skip_reason(zero3_14, estimate=sweeps.host_estimate(zero3_14, "cuda", gpu), **kw)
     # all-on-GPU: judged by GPU memory (12 B/param), not by host RAM
     nat7, nat14 = by[("native", "qwen2.5-7b")], by[("native", "qwen2.5-14b")]
     assert sweeps.skip_reason(nat7, estimate=None, **kw) is None
@@ -150,6 +160,25 @@ def test_skip_rules(compose_fn):
     _, hw = expand(compose_fn, "sweep=hardware", "system=native")
     capped = [p for p in hw if p.hardware["label"] == "RTX-3090-24GB"][0]
     assert "24.0 GiB of GPU memory" in sweeps.skip_reason(capped, estimate=None, **kw)
+    # an emulated 24 GB GPU leaves the 14B engine's host side over this host's RAM
+    _, hw = expand(compose_fn, "sweep=hardware", "system=megatrain", "model=qwen2.5-14b")
+    mt_3090 = [p for p in hw if p.hardware["label"] == "RTX-3090-24GB"][0]
+    est = sweeps.host_estimate(mt_3090, "cuda", gpu)
+    assert est["total_bytes"] > est14["total_bytes"] and sweeps.skip_reason(mt_3090, estimate=est, **kw)
+
+
+def test_gpu_free_bytes_honours_the_memory_fraction(monkeypatch):
+    """The plan of an emulated (capped) GPU sizes from the cap, not from the real GPU's free memory."""
+    import torch
+
+    from megatrain import memory
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (130 * GIB, 140 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 2 * GIB)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d=None: 1.0)
+    assert memory.gpu_free_bytes("cuda") == 130 * GIB
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d=None: 80 / 140)
+    assert memory.gpu_free_bytes("cuda") == 78 * GIB
 
 
 def test_engine_dataclasses_are_the_schemas_no_mirrors():
