@@ -33,7 +33,7 @@ class MegaTrainSystem:
 
     def __init__(self, *, init_dir, optim: OptimConfig, micro_batches: int = 1, device: str = "cuda",
                  dtype=None, activation_checkpointing: bool = True, options: dict | None = None,
-                 step_shape: tuple[int, int] | None = None, dist=None):
+                 step_shape: tuple[int, int] | None = None, dist=None, hf_config=None):
         import torch
 
         from megatrain.engine import MegaTrain
@@ -46,7 +46,10 @@ class MegaTrainSystem:
                             compute_dtype=compute if device != "cpu" else "fp32")
         shape = {} if step_shape is None else dict(tokens_per_step=step_shape[0] * step_shape[1],
                                                     seq_len=step_shape[1])
-        self.engine = MegaTrain.from_pretrained(str(init_dir), cfg, dist=dist, **shape)
+        if init_dir:  # the shared initial weights every system of the point loads
+            self.engine = MegaTrain.from_pretrained(str(init_dir), cfg, dist=dist, **shape)
+        else:  # no weights on disk (runner shared_init=false): HF's init from cfg.seed, inside the engine
+            self.engine = MegaTrain.from_config(hf_config, cfg, dist=dist, **shape)
         from megatrain import cpu_adamw
 
         plan = self.engine.placement

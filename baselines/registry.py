@@ -67,8 +67,9 @@ def record(name: str) -> SystemRecord:
 
 def build_system(name: str, *, init_dir, optim, micro_batches: int = 1, device: str = "cuda",
                  dtype=None, activation_checkpointing: bool = True, options: dict | None = None,
-                 step_shape: tuple[int, int] | None = None, dist=None):
-    """Build system ``name`` from the ``save_pretrained`` folder ``init_dir``.
+                 step_shape: tuple[int, int] | None = None, dist=None, hf_config=None):
+    """Build system ``name`` from the ``save_pretrained`` folder ``init_dir`` (megatrain also without one:
+    ``init_dir`` empty and ``hf_config`` given, it initialises itself from its options' seed).
 
     ``options`` holds the system's own knobs (each module's ``OPTIONS`` lists them; unknown keys raise).
     Running out of GPU or host memory while building raises ``baselines.OutOfMemory`` (``.kind`` is
@@ -86,13 +87,18 @@ def build_system(name: str, *, init_dir, optim, micro_batches: int = 1, device: 
     extra = {}
     params = inspect.signature(builder).parameters
     anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    accepted = set(params) | ({"step_shape", "dist"} if anything and name == "megatrain" else set())
+    accepted = set(params) | ({"step_shape", "dist", "hf_config"} if anything and name == "megatrain" else set())
     if step_shape is not None and "step_shape" in accepted:
         extra["step_shape"] = step_shape
     if dist is not None:
         if "dist" not in accepted:
             raise ValueError(f"system {name!r} does not train data-parallel through the runner (gpus > 1)")
         extra["dist"] = dist
+    if not init_dir:
+        if "hf_config" not in accepted or hf_config is None:
+            raise ValueError(f"system {name!r} needs the shared initial weights (init_dir); only megatrain "
+                             f"initialises itself (shared_init=false)")
+        extra["hf_config"] = hf_config
     with oom_guard(name, "build"):
         return builder(init_dir=init_dir, optim=optim, micro_batches=micro_batches, device=device,
                        dtype=torch.bfloat16 if dtype is None else dtype,

@@ -152,6 +152,10 @@ class RunConfig:
     # Append to a results CSV that holds rows measured on another machine (refused by default).
     mix_machines: bool = False
     cache_dir: Optional[str] = None  # initial weights; None: $MEGATRAIN_CACHE or <results_dir>/.init_cache
+    # true: every system loads the same initial weights from the cache (written once, fp32: 4 B/param of disk).
+    # false: MegaTrain points initialise inside the engine from `seed` (HF's init, on the GPU) and write
+    # nothing to disk; for sizes only MegaTrain runs (a 14B cache is 59 GB), throughput is unaffected.
+    shared_init: bool = True
     device: str = "auto"  # auto: cuda if available else cpu
     # CPU threads of torch in the point process (OMP_NUM_THREADS + torch.set_num_threads); None = torch's
     # default. The smoke sweep uses 1: on 2 cores, OpenMP workers spinning against the systems' sampler

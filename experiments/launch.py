@@ -116,7 +116,7 @@ def launch(job: Job, *, timeout: float, init_timeout: float, log=print) -> dict:
     job.save(pjson)
     log_path = pdir / "log.txt"
     result: dict = {"launched": True}
-    if not init_complete(Path(job.init_dir)):
+    if job.init_dir and not init_complete(Path(job.init_dir)):  # "": the system initialises itself
         child = run_child(["--init", str(pjson)], timeout=init_timeout, log_path=log_path, monitor=True,
                           threads=job.torch_threads)
         result["init_s"] = child["duration_s"]

@@ -87,6 +87,9 @@ def build_system(job: Job):
         from megatrain.distributed import DataParallel
 
         extra["dist"] = DataParallel()
+    if not job.init_dir:  # shared_init=false: the engine initialises from the seed (megatrain only)
+        extra["hf_config"] = job.model_spec().to_hf_config()
+        kwargs["options"].setdefault("seed", job.seed)
     return registry_build(job.system, step_shape=(job.batch_size, job.seq_len), **kwargs, **extra)
 
 

@@ -44,10 +44,10 @@ bench() {
 
 case "$phase" in
   sweeps1)
-    run sweep=size 'only=[megatrain__*,native__*,*14b*,*32b*,*72b*,*120b*]' redo=true timeout_s=300
+    run sweep=size 'only=[megatrain__*,*14b*,*32b*,*72b*,*120b*]' redo=true shared_init=false timeout_s=300
     run sweep=depth 'only=[megatrain__*L28__*,megatrain__*L42__*,megatrain__*L56__*,*L84__*,*L132__*,*L180__*]' \
-        redo=true timeout_s=300
-    run sweep=width 'only=[megatrain__*w1__*,*w4__*,*w5__*]' timeout_s=300
+        redo=true shared_init=false timeout_s=300
+    run sweep=width 'only=[megatrain__*w1__*,*w4__*,*w5__*]' shared_init=false timeout_s=300
     ;;
   context)
     bench long_context --model qwen2.5-7b --batch 16 --seq 1024 --steps 2 --warmup 1
@@ -58,7 +58,7 @@ case "$phase" in
   parity)
     say "accuracy parity"
     python3 scripts/accuracy_parity.py --out "$OUT/engine" >>"$log" 2>&1; say "parity exit $?"
-    run sweep=context 'only=[megatrain__*s1024__*,megatrain__*s8192__*,megatrain__*s32768__*]' steps=2 timeout_s=240
+    run sweep=context 'only=[megatrain__*s1024__*,megatrain__*s8192__*,megatrain__*s32768__*]' steps=2 shared_init=false timeout_s=240
     say "rollback cost (speculate=always, clipping fires)"
     python3 scripts/tier_bench.py --model qwen2.5-3b --batch 16 --seq 1024 --systems 0 --max-grad-norm 1.0 \
         --speculate always --warmup 1 --steps 3 --out "$OUT/engine" --name optimizer >>"$log" 2>&1

@@ -243,3 +243,21 @@ def test_megatrain_data_parallel_point_through_torchrun_on_cpu(tmp_path, cache):
     refused = run_runner("sweep=smoke", "system=native", "gpus=2", f"results_dir={tmp_path / 'r2'}",
                          f"cache_dir={cache}")
     assert refused.returncode == 2 and "at most 1 GPU" in refused.stdout + refused.stderr
+
+
+def test_engine_side_init_writes_no_weights_and_matches_the_shared_init(tmp_path, cache):
+    """shared_init=false: the MegaTrain point initialises inside the engine from the seed (nothing in the
+    cache); on the CPU that is the same init code on the same device, so the first loss equals the shared
+    weights' first loss."""
+    losses = {}
+    for shared in ("true", "false"):
+        results, own_cache = tmp_path / f"results_{shared}", tmp_path / f"cache_{shared}"
+        proc = run_runner("sweep=smoke", "system=megatrain", f"shared_init={shared}", f"results_dir={results}",
+                          f"cache_dir={own_cache}")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        (r,) = [r for _, r in schema.read_results(results / "smoke" / "results.csv").iterrows()]
+        assert r["status"] == "ok", r["error"]
+        losses[shared] = r["loss_first"]
+        weights = list((own_cache / "weights").glob("*")) if (own_cache / "weights").exists() else []
+        assert bool(weights) == (shared == "true")
+    assert losses["false"] == pytest.approx(losses["true"], rel=1e-6)
