@@ -61,6 +61,9 @@ def gpu_free_bytes(device) -> int:
     emulated 80 GB GPU) minus what torch has already reserved."""
     import torch
 
+    device = torch.device(device)
+    if device.index is None:  # the per-process fraction is per device index
+        device = torch.device("cuda", torch.cuda.current_device())
     free, total = torch.cuda.mem_get_info(device)
     fraction = torch.cuda.get_per_process_memory_fraction(device)
     if fraction < 1.0:

@@ -173,11 +173,16 @@ def test_gpu_free_bytes_honours_the_memory_fraction(monkeypatch):
 
     from megatrain import memory
 
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (130 * GIB, 140 * GIB))
+    def fraction(d):
+        assert d.index == 0  # torch refuses a device without an index here
+        return frac
+    frac = 1.0
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 2 * GIB)
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d=None: 1.0)
     assert memory.gpu_free_bytes("cuda") == 130 * GIB
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d=None: 80 / 140)
+    frac = 80 / 140
     assert memory.gpu_free_bytes("cuda") == 78 * GIB
 
 
