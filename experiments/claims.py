@@ -1,7 +1,17 @@
 """The paper's claims (``experiments/data/paper_claims.yaml``) against our rows: selecting the row a
-claim is about and judging it (``evaluate_claim``). Used by ``experiments.report``; no torch."""
+claim is about and judging it (``evaluate_claim``), and the verdict summary (``summary_lines``). Used by
+``experiments.report``; no torch.
+
+A row that was not launched because the memory rule predicts it does not fit (``experiments.sweeps.
+skip_reason``) gives the verdict "not reproducible here: needs ~X GiB host RAM (this host: Y GiB)" for a
+claim about its number, and "matched (predicted: ...)" for a claim that the paper's system runs out of
+memory there. A claim with no matching sweep row can take its number from an engine benchmark file
+(``evidence``)."""
 from __future__ import annotations
 
+import json
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -13,8 +23,13 @@ from .schema import KNOWN_SWEEPS as SWEEPS, SAMPLE_GPU, SAMPLE_SHA, fill_x_from_
 from .style import STATUS_SHORT, TB_1_5_GIB
 
 CLAIMS_PATH = Path(__file__).parent / "data" / "paper_claims.yaml"
+ROOT = Path(__file__).resolve().parents[1]  # evidence files are relative to the repository root
 PARAMS_TOL = 0.15  # params_b matches the nearest size within 15 %
 OOM = ("gpu_oom", "host_oom")
+COMPARES = ("absolute", "ratio", "relative", "status", "trains")
+UNMEASURED_TARGET = 3  # the reproduction's goal: at most this many claims without a measured verdict
+
+
 class ClaimsError(ValueError):
     """The claims file is malformed."""
 
@@ -29,9 +44,25 @@ def load_claims(path: str | Path = CLAIMS_PATH) -> dict:
         for key in ("id", "section", "claim", "paper", "compare", "system"):
             if key not in c:
                 raise ClaimsError(f"{path}: claim {c.get('id', c)!r} lacks '{key}'")
-        if c["compare"] not in ("absolute", "ratio", "relative", "status", "trains"):
+        if c["compare"] not in COMPARES:
             raise ClaimsError(f"{path}: claim {c['id']}: unknown compare {c['compare']!r}")
+        _check_optional_fields(path, c)
     return data
+
+
+def _check_optional_fields(path: Path, c: dict) -> None:
+    """``note`` is a string; ``evidence`` is {file, where[, reference][, metric]}, absolute/relative only."""
+    if "note" in c and not isinstance(c["note"], str):
+        raise ClaimsError(f"{path}: claim {c['id']}: 'note' must be a string")
+    ev = c.get("evidence")
+    if ev is None:
+        return
+    if c["compare"] not in ("absolute", "relative"):
+        raise ClaimsError(f"{path}: claim {c['id']}: 'evidence' works with compare absolute or relative only")
+    if not isinstance(ev, dict) or not ev.get("file") or not isinstance(ev.get("where"), dict):
+        raise ClaimsError(f"{path}: claim {c['id']}: 'evidence' needs 'file' and a 'where' mapping")
+    if c["compare"] == "relative" and not isinstance(ev.get("reference"), dict):
+        raise ClaimsError(f"{path}: claim {c['id']}: relative 'evidence' needs a 'reference' mapping")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -157,7 +188,8 @@ def _ours_hw(r: pd.Series | None, rows: pd.DataFrame) -> str:
     return gpu if not hw or hw in gpu else f"{hw} ({gpu})"
 
 
-VERDICT_KINDS = ("matched", "missed", "exceeded", "not measured", "not comparable", "differs")
+VERDICT_KINDS = ("matched", "missed", "exceeded", "differs", "not comparable", "not reproducible here",
+                 "not measured")
 
 
 def _verdict_kind(v: str) -> str:
@@ -179,173 +211,406 @@ def _host_ram(r) -> float | None:
     return float(v) if v is not None and pd.notna(v) else None
 
 
+
+
+def _num(v) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if pd.isna(f) else f
+
+
+def _gib(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
+# ----------------------------------------------------------------------------------------------
+# rows not launched because they would not fit
+# ----------------------------------------------------------------------------------------------
+
+_MEMORY_WORDS = re.compile(r"\bRAM\b|memory|estimate|host needs|\bfit\b", re.I)
+_GIB_NUM = r"(\d[\d,]*(?:\.\d+)?)\s*GiB"
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """A point this machine cannot hold: which memory, and the GiB it needs / has (None: unknown).
+    ``available`` is the skip text's "available" figure, shown only when it, not ``have``, explains it."""
+    memory: str  # "host RAM" | "GPU memory"
+    need: float | None
+    have: float | None
+    available: float | None = None
+
+    @property
+    def _machine(self) -> str:
+        return "host" if self.memory == "host RAM" else "GPU"
+
+    @property
+    def _by_available(self) -> bool:
+        """It fits the machine's total but not what was free then: the skip text's 'available' explains it."""
+        return None not in (self.need, self.have, self.available) and self.need <= self.have
+
+    def _have_text(self) -> str:
+        if self.have is None:
+            return ""
+        avail = f", {_gib(self.available)} GiB available" if self._by_available else ""
+        return f" (this {self._machine}: {_gib(self.have)} GiB{avail})"
+
+    def _more_than(self) -> str:
+        have = f"'s {_gib(self.have)} GiB" if self.have is not None else " has"
+        return f"needs more {self.memory} than this {self._machine}{have}"
+
+    def needs(self) -> str:
+        """'needs ~X GiB host RAM (this host: Y GiB)'."""
+        if self.need is None:
+            return self._more_than()
+        return f"needs ~{_gib(self.need)} GiB {self.memory}{self._have_text()}"
+
+    def predicted(self) -> str:
+        """'needs ~X GiB host RAM > Y GiB'."""
+        if self.need is None:
+            return self._more_than()
+        limit = self.available if self._by_available else self.have
+        return f"needs ~{_gib(self.need)} GiB {self.memory}" + (f" > {_gib(limit)} GiB" if limit is not None else "")
+
+    def verdict(self, who: str = "") -> str:
+        return f"not reproducible here: {who + ' ' if who else ''}{self.needs()}"
+
+
+def _skip_text_gib(err: str) -> tuple[float | None, float | None]:
+    """(needed, available) GiB in a skip text such as 'skipped: engine plan: host needs 812.3 GiB (...) >
+    available host RAM 120.1 GiB': the first 'needs X GiB', else the last 'X GiB' before ' > '; and the
+    first 'Y GiB' after ' > '."""
+    head, _, tail = err.partition(" > ")
+    m = re.search(r"needs\s+~?" + _GIB_NUM, err)
+    before = re.findall(_GIB_NUM, head)
+    need = m.group(1) if m else (before[-1] if before else None)
+    after = re.search(_GIB_NUM, tail)
+    return (_num(need.replace(",", "")) if need else None,
+            _num(after.group(1).replace(",", "")) if after else None)
+
+
+def memory_limit(r) -> MemoryLimit | None:
+    """Why a skipped row was not launched, when it was for memory: its error text ("skipped: ...") speaks
+    of host RAM / GPU memory, or it has no reason and its host estimate exceeds the host's RAM. The host
+    estimate and RAM come from the row's columns (``host_estimate_gib``, ``host_ram_gib``), else from
+    the text. None for any other row."""
+    if r is None or r.get("status") != "skipped":
+        return None
+    err = " ".join(str(r.get("error") or "").split())
+    est, ram = _num(r.get("host_estimate_gib")), _host_ram(r)
+    over = est is not None and ram is not None and est > ram
+    reason = err.split(":", 1)[1] if err.lower().startswith("skipped:") else err
+    if not (_MEMORY_WORDS.search(reason) or (over and not reason.strip())):
+        return None
+    text_need, text_avail = _skip_text_gib(err)
+    if re.search(r"gpu memory", err, re.I) and not re.search(r"\bRAM\b", err):
+        return MemoryLimit("GPU memory", text_need, text_avail if text_avail is not None
+                           else _num(r.get("gpu_mem_cap_gib")))
+    need = est if est is not None and (over or text_need is None) else text_need
+    return MemoryLimit("host RAM", need, ram if ram is not None else text_avail, text_avail)
+
+
+def _host_oom_limit(r) -> MemoryLimit | None:
+    """A row that ran out of host RAM where the engine's estimate said it would."""
+    est, ram = _num(r.get("host_estimate_gib")), _host_ram(r)
+    if r.get("status") == "host_oom" and est is not None and ram is not None and est > ram:
+        return MemoryLimit("host RAM", est, ram)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# evidence: engine benchmark rows (JSONL) for a claim no sweep row covers
+# ----------------------------------------------------------------------------------------------
+
+def _evidence_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        raise ClaimsError(f"evidence file {path} does not exist")
+    with path.open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _row_matches(row: dict, where: dict) -> bool:
+    for key, val in where.items():
+        if key not in row:
+            return False
+        if isinstance(val, str) or isinstance(row[key], str):
+            if str(row[key]) != str(val):
+                return False
+        elif _num(row[key]) is None or abs(float(row[key]) - float(val)) > 1e-6 * max(1.0, abs(float(val))):
+            return False
+    return True
+
+
+def _evidence_value(ev: dict, where: dict, metric: str) -> tuple[float | None, str]:
+    """(best value of ``metric`` among the file's rows matching ``where``, or None; what the file says
+    when no row has a value: 'no matching row' or the failed row's error)."""
+    rows = [r for r in _evidence_rows(ROOT / ev["file"]) if _row_matches(r, where)]
+    vals = [float(r[metric]) for r in rows if _num(r.get(metric)) is not None]
+    if vals:
+        return max(vals), ""
+    errors = [str(r["error"]) for r in rows if r.get("error")]
+    return None, (f"failed: {_short(errors[0], 60)}" if errors else "no matching row")
+
+
+def _evaluate_evidence(claim: dict, out: dict, unit: str, tol: float) -> dict:
+    """A claim with no sweep row, judged on its evidence file (absolute, or relative to a reference row)."""
+    ev = claim["evidence"]
+    metric = ev.get("metric", claim.get("metric", "tflops"))
+    src = f"[{ev['file']}]"
+    value, why = _evidence_value(ev, ev["where"], metric)
+    if value is None:
+        out.update(ours=f"{why} {src}", verdict="missed (evidence row failed)" if why.startswith("failed")
+                   else "not measured")
+        return out
+    if claim["compare"] == "absolute":
+        out.update(ours=f"{value:.1f} {unit} {src}",
+                   verdict=_value_verdict(value, float(claim["paper"]), tol, bool(claim.get("paper_min"))))
+        return out
+    ref, why = _evidence_value(ev, {**ev["where"], **ev["reference"]}, metric)
+    if ref is None or ref <= 0:
+        out.update(ours=f"{value:.1f} {unit}; reference {why} {src}", verdict="not comparable (no reference point)")
+        return out
+    ratio, pr = value / ref, float(claim["paper"]) / float(claim["paper_reference"])
+    out.update(ours=f"{value:.1f} {unit} ({ratio:.3f}× of {ref:.1f}, {_pct(ratio - 1)}) {src}",
+               verdict=_value_verdict(ratio, pr, tol) + " (on the ratio)")
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # evaluating claims
 # ----------------------------------------------------------------------------------------------
 
+@dataclass
+class _Ctx:
+    """What every compare kind needs: the claim, all rows, the first system's row (or None)."""
+    claim: dict
+    rows: pd.DataFrame
+    r: pd.Series | None
+    out: dict
+    tol: float
+    metric: str
+    unit: str
+    emulated: bool
+
+
 def evaluate_claim(claim: dict, rows: pd.DataFrame, tol: float, hw_names: dict) -> dict:
-    """One report row: {'claim', 'paper', 'ours', 'hardware', 'verdict', 'sample'}."""
+    """One report row: {'id', 'claim', 'section', 'paper', 'ours', 'hardware', 'verdict', 'sample',
+    'source', 'note'}."""
     metric = claim.get("metric", "tflops")
-    unit = "TFLOPS" if metric == "tflops" else metric
-    paper = claim["paper"]
     paper_hw = _hw_short(hw_names, claim.get("paper_hardware", "?"))
-    compare = claim["compare"]
-    where = dict(claim.get("where") or {})
-    out = {"id": claim["id"], "claim": claim["claim"], "section": claim["section"], "sample": False,
-           "source": claim.get("source")}
-    paper_text = str(claim.get("paper_text", paper))
     systems = claim["system"] if isinstance(claim["system"], list) else [claim["system"]]
-    r, _ = _find(rows, claim, systems[0], where)
-    out["hardware"] = f"paper: {paper_hw} → ours: {_ours_hw(r, rows)}"
-    emulated = bool(r is not None and r.get("emulated"))
-    out["sample"] = _is_sample_row(r)
+    r, _ = _find(rows, claim, systems[0], dict(claim.get("where") or {}))
+    out = {"id": claim["id"], "claim": claim["claim"], "section": claim["section"], "sample": _is_sample_row(r),
+           "source": claim.get("source"), "note": claim.get("note"),
+           "hardware": f"paper: {paper_hw} → ours: {_ours_hw(r, rows)}"}
+    ctx = _Ctx(claim, rows, r, out, tol, metric, "TFLOPS" if metric == "tflops" else metric,
+               bool(r is not None and r.get("emulated")))
+    evaluate = {"absolute": _absolute, "ratio": _ratio, "relative": _relative, "status": _status,
+                "trains": _trains}.get(claim["compare"])
+    if evaluate is None:
+        raise ClaimsError(f"claim {claim['id']}: unknown compare {claim['compare']!r}")
+    return evaluate(ctx, paper_hw)
 
-    if compare == "absolute":
-        out["paper"] = f"{paper_text} {unit}"
-        if r is None:
-            out.update(ours="not measured", verdict="not measured")
-            return out
-        if r["status"] != "ok" or pd.isna(r[metric]):
-            out.update(ours=f"{_status_text(r)} [{_where_text(r)}]",
-                       verdict=f"missed ({STATUS_SHORT.get(r['status'], r['status'])})"
-                       if r["status"] in OOM + ("error", "timeout") else "not measured (skipped)")
-            return out
-        ours = float(r[metric])
-        txt = f"{ours:.1f} {unit}"
-        z = _same_point(rows, r, "zero3") if r["system"] == "megatrain" else None
-        if z is not None:
-            if z["status"] == "ok" and pd.notna(z[metric]) and z[metric] > 0:
-                txt += f" (= {ours / float(z[metric]):.2f}× ZeRO-3 in the same run)"
-            else:
-                txt += f" (ZeRO-3 in the same run: {STATUS_SHORT.get(z['status'], z['status'])})"
-        out["ours"] = f"{txt} [{_where_text(r)}]"
-        v = _value_verdict(ours, float(paper), tol, bool(claim.get("paper_min")))
-        if emulated:
-            v = f"not comparable (emulated profile, H200 compute; {v})"
-        out["verdict"] = v
+
+def _not_measured(out: dict) -> dict:
+    out.update(ours="not measured", verdict="not measured")
+    return out
+
+
+def _failed(out: dict, r: pd.Series, who: str = "") -> dict:
+    """The selected row gave no number: not reproducible here (skipped for memory), not measured (skipped
+    for another reason) or missed (it ran and failed)."""
+    lim = memory_limit(r)
+    out["ours"] = f"{who + ' ' if who else ''}{_status_text(r)} [{_where_text(r)}]"
+    if lim is not None:
+        out["verdict"] = lim.verdict()
+    elif r["status"] == "skipped":
+        out["verdict"] = "not measured (skipped)"
+    else:
+        st = STATUS_SHORT.get(r["status"], r["status"])
+        out["verdict"] = f"missed ({who} did not run)" if who else f"missed ({st})"
+    return out
+
+
+def _no_number(r: pd.Series, metric: str) -> bool:
+    return r["status"] != "ok" or pd.isna(r[metric])
+
+
+def _absolute(c: _Ctx, paper_hw: str) -> dict:
+    claim, out, r, metric, unit = c.claim, c.out, c.r, c.metric, c.unit
+    out["paper"] = f"{claim.get('paper_text', claim['paper'])} {unit}"
+    if r is None:
+        return _evaluate_evidence(claim, out, unit, c.tol) if claim.get("evidence") else _not_measured(out)
+    if _no_number(r, metric):
+        return _failed(out, r)
+    ours = float(r[metric])
+    txt = f"{ours:.1f} {unit}"
+    z = _same_point(c.rows, r, "zero3") if r["system"] == "megatrain" else None
+    if z is not None:
+        if z["status"] == "ok" and pd.notna(z[metric]) and z[metric] > 0:
+            txt += f" (= {ours / float(z[metric]):.2f}× ZeRO-3 in the same run)"
+        else:
+            txt += f" (ZeRO-3 in the same run: {STATUS_SHORT.get(z['status'], z['status'])})"
+    out["ours"] = f"{txt} [{_where_text(r)}]"
+    v = _value_verdict(ours, float(claim["paper"]), c.tol, bool(claim.get("paper_min")))
+    out["verdict"] = f"not comparable (emulated profile, H200 compute; {v})" if c.emulated else v
+    return out
+
+
+def _ratio(c: _Ctx, paper_hw: str) -> dict:
+    claim, out, r, metric, unit = c.claim, c.out, c.r, c.metric, c.unit
+    base = claim["baseline"]
+    out["paper"] = f"{float(claim['paper']):.2f}×"
+    if r is None:
+        return _not_measured(out)
+    if _no_number(r, metric):
+        return _failed(out, r, "MegaTrain")
+    b = _same_point(c.rows, r, base)
+    bname = record(base).short
+    if b is None:
+        out.update(ours=f"{r[metric]:.1f} {unit}; {bname} not in this sweep [{_where_text(r)}]", verdict="not measured")
         return out
-
-    if compare == "ratio":
-        base = claim["baseline"]
-        out["paper"] = f"{float(paper):.2f}×"
-        if r is None:
-            out.update(ours="not measured", verdict="not measured")
-            return out
-        b = _same_point(rows, r, base)
-        bname = record(base).short
-        if r["status"] != "ok" or pd.isna(r[metric]):
-            out.update(ours=f"MegaTrain {_status_text(r)} [{_where_text(r)}]",
-                       verdict="missed (MegaTrain did not run)" if r["status"] != "skipped" else
-                       "not measured (skipped)")
-            return out
-        if b is None:
-            out.update(ours=f"{r[metric]:.1f} {unit}; {bname} not in this sweep [{_where_text(r)}]",
-                       verdict="not measured")
-            return out
-        if b["status"] != "ok" or pd.isna(b[metric]) or b[metric] <= 0:
-            st = STATUS_SHORT.get(b["status"], b["status"])
-            out["ours"] = f"{r[metric]:.1f} {unit} vs {bname} {st} → ∞ [{_where_text(r)}]"
+    if b["status"] != "ok" or pd.isna(b[metric]) or b[metric] <= 0:
+        st = STATUS_SHORT.get(b["status"], b["status"])
+        lim = memory_limit(b)
+        out["ours"] = f"{r[metric]:.1f} {unit} vs {bname} {st} → ∞ [{_where_text(r)}]"
+        if lim is not None:
+            out["verdict"] = lim.verdict(bname)
+        else:
             out["verdict"] = (f"exceeded ({bname} {st}, MegaTrain ran)" if b["status"] in OOM
                               else f"not comparable ({bname} {st})")
-            if emulated:
-                out["verdict"] += "; emulated profile"
-            return out
-        ratio = float(r[metric]) / float(b[metric])
-        out["ours"] = f"{ratio:.2f}× ({r[metric]:.1f} / {b[metric]:.1f} {unit}) [{_where_text(r)}]"
-        v = _value_verdict(ratio, float(paper), tol)
-        out["verdict"] = v + ("; emulated profile" if emulated else "")
-        out["sample"] = out["sample"] or _is_sample_row(b)
+        if c.emulated:
+            out["verdict"] += "; emulated profile"
         return out
+    ratio = float(r[metric]) / float(b[metric])
+    out["ours"] = f"{ratio:.2f}× ({r[metric]:.1f} / {b[metric]:.1f} {unit}) [{_where_text(r)}]"
+    out["verdict"] = _value_verdict(ratio, float(claim["paper"]), c.tol) + ("; emulated profile" if c.emulated else "")
+    out["sample"] = out["sample"] or _is_sample_row(b)
+    return out
 
-    if compare == "relative":
-        ref_where = {**where, **(claim.get("reference") or {})}
-        pref = float(claim["paper_reference"])
-        pr = float(paper) / pref
-        ref_label = ", ".join(f"{k}={v}" for k, v in (claim.get("reference") or {}).items())
-        out["paper"] = f"{paper_text} {unit} ({pr:.3f}× of {pref:g}, {_pct(pr - 1)})"
-        if r is None:
-            out.update(ours="not measured", verdict="not measured")
-            return out
-        claim_same_sweep = {**claim, "sweeps": [r["_sweep"]]}
-        ref, _ = _find(rows, claim_same_sweep, r["system"], ref_where)
-        if r["status"] != "ok" or pd.isna(r[metric]):
-            out.update(ours=f"{_status_text(r)} [{_where_text(r)}]",
-                       verdict=f"missed ({STATUS_SHORT.get(r['status'], r['status'])})"
-                       if r["status"] in OOM + ("error", "timeout") else "not measured (skipped)")
-            return out
-        if ref is None or ref["status"] != "ok" or pd.isna(ref[metric]) or ref[metric] <= 0:
-            out.update(ours=f"{r[metric]:.1f} {unit}; reference ({ref_label}) "
-                            f"{'absent' if ref is None else _status_text(ref)} [{_where_text(r)}]",
-                       verdict="not comparable (no reference point)")
-            return out
-        ratio = float(r[metric]) / float(ref[metric])
-        out["ours"] = (f"{r[metric]:.1f} {unit} ({ratio:.3f}× of {ref[metric]:.1f}, {_pct(ratio - 1)}) "
-                       f"[{_where_text(r)}]")
-        out["verdict"] = _value_verdict(ratio, pr, tol) + " (on the ratio)"
-        out["sample"] = out["sample"] or _is_sample_row(ref)
+
+def _relative(c: _Ctx, paper_hw: str) -> dict:
+    claim, out, r, metric, unit = c.claim, c.out, c.r, c.metric, c.unit
+    pref = float(claim["paper_reference"])
+    pr = float(claim["paper"]) / pref
+    ref_label = ", ".join(f"{k}={v}" for k, v in (claim.get("reference") or {}).items())
+    out["paper"] = f"{claim.get('paper_text', claim['paper'])} {unit} ({pr:.3f}× of {pref:g}, {_pct(pr - 1)})"
+    if r is None:
+        return _evaluate_evidence(claim, out, unit, c.tol) if claim.get("evidence") else _not_measured(out)
+    if _no_number(r, metric):
+        return _failed(out, r)
+    ref_where = {**(claim.get("where") or {}), **(claim.get("reference") or {})}
+    ref, _ = _find(c.rows, {**claim, "sweeps": [r["_sweep"]]}, r["system"], ref_where)
+    if ref is None or ref["status"] != "ok" or pd.isna(ref[metric]) or ref[metric] <= 0:
+        lim = memory_limit(ref)
+        out["ours"] = (f"{r[metric]:.1f} {unit}; reference ({ref_label}) "
+                       f"{'absent' if ref is None else _status_text(ref)} [{_where_text(r)}]")
+        out["verdict"] = lim.verdict(f"the reference ({ref_label})") if lim else "not comparable (no reference point)"
         return out
+    ratio = float(r[metric]) / float(ref[metric])
+    out["ours"] = f"{r[metric]:.1f} {unit} ({ratio:.3f}× of {ref[metric]:.1f}, {_pct(ratio - 1)}) [{_where_text(r)}]"
+    out["verdict"] = _value_verdict(ratio, pr, c.tol) + " (on the ratio)"
+    out["sample"] = out["sample"] or _is_sample_row(ref)
+    return out
 
-    if compare == "status":
-        out["paper"] = "OOM" if len(systems) == 1 else "all OOM"
-        parts, oks, ooms, missing, other = [], 0, 0, 0, 0
-        hw_row = None
-        for s in systems:
-            rs, _ = _find(rows, claim, s, where)
-            name = record(s).short
-            if rs is None:
-                parts.append(f"{name}: not measured")
-                missing += 1
-                continue
-            hw_row = hw_row if hw_row is not None else rs
-            out["sample"] = out["sample"] or _is_sample_row(rs)
-            if rs["status"] == "ok":
-                parts.append(f"{name}: ran, {rs[metric]:.1f} {unit}")
-                oks += 1
-            elif rs["status"] in OOM:
-                parts.append(f"{name}: {STATUS_SHORT[rs['status']]}")
-                ooms += 1
-            else:
-                parts.append(f"{name}: {_status_text(rs)}")
-                other += 1
-        if hw_row is not None:
-            out["hardware"] = f"paper: {paper_hw} → ours: {_ours_hw(hw_row, rows)}"
-        out["ours"] = "; ".join(parts) + (f" [{hw_row['_sweep']}/{hw_row['point']}]" if hw_row is not None else "")
-        if ooms == len(systems):
-            out["verdict"] = "matched"
-        elif oks:
-            out["verdict"] = f"differs ({oks} of {len(systems)} ran)"
-        elif missing == len(systems):
-            out["verdict"] = "not measured"
+
+def _status(c: _Ctx, paper_hw: str) -> dict:
+    """The paper says each system runs out of memory here: matched when each of ours did (OOM) or was not
+    launched because the memory rule predicts it does not fit."""
+    claim, out, metric, unit = c.claim, c.out, c.metric, c.unit
+    systems = claim["system"] if isinstance(claim["system"], list) else [claim["system"]]
+    out["paper"] = "OOM" if len(systems) == 1 else "all OOM"
+    parts, n = [], {"ok": 0, "oom": 0, "predicted": 0, "missing": 0, "other": 0}
+    hw_row, predicted = None, []
+    for s in systems:
+        rs, _ = _find(c.rows, claim, s, dict(claim.get("where") or {}))
+        name = record(s).short
+        if rs is None:
+            parts.append(f"{name}: not measured")
+            n["missing"] += 1
+            continue
+        hw_row = hw_row if hw_row is not None else rs
+        out["sample"] = out["sample"] or _is_sample_row(rs)
+        lim = memory_limit(rs)
+        if rs["status"] == "ok":
+            parts.append(f"{name}: ran, {rs[metric]:.1f} {unit}")
+            n["ok"] += 1
+        elif rs["status"] in OOM:
+            parts.append(f"{name}: {STATUS_SHORT[rs['status']]}")
+            n["oom"] += 1
+        elif lim is not None:
+            parts.append(f"{name}: not launched ({lim.predicted()})")
+            predicted.append(lim)
+            n["predicted"] += 1
         else:
-            out["verdict"] = (f"matched for {ooms} of {len(systems)}; rest not measured" if ooms
-                              else "not measured (skipped/error)")
-        return out
+            parts.append(f"{name}: {_status_text(rs)}")
+            n["other"] += 1
+    if hw_row is not None:
+        out["hardware"] = f"paper: {paper_hw} → ours: {_ours_hw(hw_row, c.rows)}"
+    out["ours"] = "; ".join(parts) + (f" [{hw_row['_sweep']}/{hw_row['point']}]" if hw_row is not None else "")
+    out["verdict"] = _status_verdict(n, len(systems), predicted)
+    return out
 
-    if compare == "trains":
-        out["paper"] = "trains"
-        if r is None:
-            out.update(ours="not measured", verdict="not measured")
-            return out
-        est = r.get("host_estimate_gib")
-        est_txt = f"; engine host estimate {est:,.0f} GiB" if pd.notna(est) else ""
-        if r["status"] == "ok":
-            out["ours"] = f"trained, {r[metric]:.1f} {unit}{est_txt} [{_where_text(r)}]"
-            out["verdict"] = "matched" + ("; emulated profile" if emulated else "")
-            return out
-        ram = _host_ram(r)
-        out["ours"] = f"{_status_text(r)}{est_txt} [{_where_text(r)}]"
-        if r["status"] in ("host_oom", "skipped") and ram is not None and pd.notna(est) and est > ram:
-            fits = "fits" if est <= TB_1_5_GIB else "would not fit"
-            out["verdict"] = (f"not comparable (needs ~{est:,.0f} GiB host RAM, this host has {ram:,.0f} GiB; "
-                              f"{fits} in 1.5 TB)")
-        elif r["status"] == "skipped":
-            out["verdict"] = "not measured (skipped)"
-        else:
-            out["verdict"] = f"missed ({STATUS_SHORT.get(r['status'], r['status'])})"
+
+def _status_verdict(n: dict, total: int, predicted: list[MemoryLimit]) -> str:
+    matched = n["oom"] + n["predicted"]
+    if matched == total:
+        if not predicted:
+            return "matched"
+        if not n["oom"]:
+            return f"matched (predicted: {predicted[0].predicted()}; not launched)"
+        return f"matched ({n['oom']} OOM, {n['predicted']} predicted)"
+    if n["ok"]:
+        return f"differs ({n['ok']} of {total} ran)"
+    if n["missing"] == total:
+        return "not measured"
+    return f"matched for {matched} of {total}; rest not measured" if matched else "not measured (skipped/error)"
+
+
+def _trains(c: _Ctx, paper_hw: str) -> dict:
+    out, r, metric, unit = c.out, c.r, c.metric, c.unit
+    out["paper"] = "trains"
+    if r is None:
+        return _not_measured(out)
+    est = _num(r.get("host_estimate_gib"))
+    est_txt = f"; engine host estimate {est:,.0f} GiB" if est is not None else ""
+    if r["status"] == "ok":
+        out["ours"] = f"trained, {r[metric]:.1f} {unit}{est_txt} [{_where_text(r)}]"
+        out["verdict"] = "matched" + ("; emulated profile" if c.emulated else "")
         return out
-    raise ClaimsError(f"claim {claim['id']}: unknown compare {compare!r}")
+    out["ours"] = f"{_status_text(r)}{est_txt} [{_where_text(r)}]"
+    lim = memory_limit(r) or _host_oom_limit(r)
+    if lim is not None:
+        fits = ("fits" if lim.need <= TB_1_5_GIB else "would not fit") if lim.need is not None else None
+        out["verdict"] = lim.verdict() + (f"; {fits} in 1.5 TB" if fits and lim.memory == "host RAM" else "")
+    elif r["status"] == "skipped":
+        out["verdict"] = "not measured (skipped)"
+    else:
+        out["verdict"] = f"missed ({STATUS_SHORT.get(r['status'], r['status'])})"
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
-# sections
+# summary
 # ----------------------------------------------------------------------------------------------
+
+def verdict_counts(evaluated: list[dict]) -> dict[str, int]:
+    """Claims per verdict kind, in ``VERDICT_KINDS`` order (kinds with none left out)."""
+    kinds = [_verdict_kind(e["verdict"]) for e in evaluated]
+    order = list(VERDICT_KINDS) + [k for k in dict.fromkeys(kinds) if k not in VERDICT_KINDS]
+    return {k: kinds.count(k) for k in order if k in kinds}
+
+
+def summary_lines(evaluated: list[dict], target: int = UNMEASURED_TARGET) -> list[str]:
+    """The verdict summary and the count of claims without a measured verdict against the target."""
+    counts = verdict_counts(evaluated)
+    unmeasured = [e["id"] for e in evaluated if _verdict_kind(e["verdict"]) == "not measured"]
+    return ["Verdict summary: " + ", ".join(f"{k}: {v}" for k, v in counts.items()) + ".", "",
+            f"Claims without a measured verdict: {len(unmeasured)} (not measured) — target ≤ {target}"
+            + (f" ({_id_list(unmeasured)})" if unmeasured else "") + ".", ""]
+
+
+def _id_list(ids: list[str], n: int = 12) -> str:
+    return ", ".join(ids[:n]) + (f", … +{len(ids) - n} more" if len(ids) > n else "")

@@ -20,7 +20,7 @@ import pandas as pd
 from baselines.registry import SYSTEMS, record
 
 from .claims import (CLAIMS_PATH, ClaimsError, _all_rows, _hw_long, _hw_short, _pct, _short, _verdict_kind,  # noqa: F401
-                     evaluate_claim, load_claims)
+                     evaluate_claim, load_claims, summary_lines)
 from .config import H200_PEAK_TFLOPS, HARDWARE_ORDER
 from .figures import figures_for
 from .schema import (KNOWN_SWEEPS as SWEEPS, SAMPLE_GPU, SAMPLE_SHA, fill_x_from_point, formula_tflops,
@@ -261,8 +261,12 @@ def build_report(results_dir, claims_path=CLAIMS_PATH, plots_dir: str | Path | N
               f"Paper values: {claims.get('source', '?')}. Verdict: *matched* when within "
               f"±{tol * 100:.0f}% of the paper's value (or ratio), else *missed by* / *exceeded by* that much; "
               "*not comparable* when the setups differ too much to judge (e.g. an emulated GPU's absolute "
-              "TFLOPS, or a model that needs more host RAM than this machine has); *not measured* when no "
-              "matching row exists. The paper's absolute TFLOPS mostly come from a GH200, whose ~900 GB/s "
+              "TFLOPS); *not reproducible here* when the point was not launched (or ran out of host RAM) "
+              "because it needs more memory than this machine has — with the engine's own estimate of "
+              "what it needs; a claim that a system runs out of memory is *matched (predicted …)* when "
+              "that same memory rule kept it from being launched; *not measured* when no matching row "
+              "exists. A claim no sweep covers may be judged on an engine benchmark file (*ours* then "
+              "names the file). The paper's absolute TFLOPS mostly come from a GH200, whose ~900 GB/s "
               "NVLink-C2C host link is much faster than an H200's PCIe host link, so absolute numbers are "
               "expected to differ; the ratio and trend rows are the fairer comparison.", "",
               "Hardware names: " + "; ".join(f"**{_hw_short(hw_names, k)}**: {_hw_long(hw_names, k)}"
@@ -279,13 +283,13 @@ def build_report(results_dir, claims_path=CLAIMS_PATH, plots_dir: str | Path | N
         body = []
         for e in (x for x in evaluated if x["section"] == sec):
             ours = e["ours"] + (" *(sample)*" if e["sample"] else "")
+            ours += f" — note: {e['note']}" if e.get("note") else ""
             paper = e["paper"] + (f" — {e['source']}" if e.get("source") else "")
             body.append([f"{e['claim']} `{e['id']}`", paper, ours, e["hardware"], f"**{e['verdict']}**"])
         lines += _md_table(["claim", "paper" if sec != "reference" else "reference", "ours", "hardware",
                             "verdict"], body)
         lines.append("")
-    counts = pd.Series([_verdict_kind(e["verdict"]) for e in evaluated]).value_counts()
-    lines += ["Verdict summary: " + ", ".join(f"{k}: {v}" for k, v in counts.items()) + ".", ""]
+    lines += summary_lines(evaluated)
 
     if frames:
         lines += ["## Per-sweep results", ""]
