@@ -66,6 +66,10 @@ class MegaTrainSystem:
     def memory(self) -> MemoryStats:
         return self.engine.memory()
 
+    def state_dict(self):
+        """HF-named fp32 master weights, as the baselines' ``state_dict`` (parity checks, evaluation)."""
+        return self.engine.state_dict()
+
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
