@@ -127,8 +127,16 @@ def _find(rows: pd.DataFrame, claim: dict, system: str, where: dict) -> tuple[pd
     return None, 0
 
 
+def _point_key(point: str, system: str) -> str:
+    """A point id without its system (ids read ``<system>__<model>__L..__<variant>__<hardware>``)."""
+    point = str(point)
+    return point[len(system) + 2:] if point.startswith(f"{system}__") else point
+
+
 def _same_point(rows: pd.DataFrame, r: pd.Series, system: str) -> pd.Series | None:
-    c = rows[(rows["_sweep"] == r["_sweep"]) & (rows["point"] == r["point"]) & (rows["system"] == system)
+    key = _point_key(r["point"], r["system"])
+    same = rows["point"].astype(str).combine(rows["system"].astype(str), _point_key) == key
+    c = rows[(rows["_sweep"] == r["_sweep"]) & same & (rows["system"] == system)
              & (rows["hardware"] == r["hardware"]) & rows["variant"].isin(["default", "full", ""])]
     if c.empty:
         return None
@@ -419,12 +427,30 @@ def _not_measured(out: dict) -> dict:
     return out
 
 
+_PLAN_GPU = re.compile(r"engine plan: GPU needs\s+" + _GIB_NUM + r".*?=\s*" + _GIB_NUM + r"\)")
+
+
+def plan_gpu_refusal(r) -> str | None:
+    """MegaTrain skipped because its own placement plan does not fit the GPU side (every gradient waits on
+    the GPU until the step's norm is known): a limit of the engine, which more host RAM would not lift,
+    so the verdict is "missed", with the plan's numbers. None for any other row."""
+    if r is None or r.get("status") != "skipped" or r.get("system") != "megatrain":
+        return None
+    m = _PLAN_GPU.search(" ".join(str(r.get("error") or "").split()))
+    if not m:
+        return None
+    return (f"missed (the engine's plan refuses the GPU side: needs {m.group(1)} GiB > {m.group(2)} GiB usable; "
+            f"gradients wait on the GPU)")
+
+
 def _failed(out: dict, r: pd.Series, who: str = "") -> dict:
-    """The selected row gave no number: not reproducible here (skipped for memory), not measured (skipped
-    for another reason) or missed (it ran and failed)."""
+    """The selected row gave no number: missed (the engine's plan refuses the GPU side, or it ran and
+    failed), not reproducible here (skipped for host memory) or not measured (skipped otherwise)."""
     lim = memory_limit(r)
     out["ours"] = f"{who + ' ' if who else ''}{_status_text(r)} [{_where_text(r)}]"
-    if lim is not None:
+    if plan_gpu_refusal(r):
+        out["verdict"] = plan_gpu_refusal(r)
+    elif lim is not None:
         out["verdict"] = lim.verdict()
     elif r["status"] == "skipped":
         out["verdict"] = "not measured (skipped)"
@@ -582,7 +608,9 @@ def _trains(c: _Ctx, paper_hw: str) -> dict:
         return out
     out["ours"] = f"{_status_text(r)}{est_txt} [{_where_text(r)}]"
     lim = memory_limit(r) or _host_oom_limit(r)
-    if lim is not None:
+    if plan_gpu_refusal(r):
+        out["verdict"] = plan_gpu_refusal(r) + (f"; host side ~{est:,.0f} GiB" if est is not None else "")
+    elif lim is not None:
         fits = ("fits" if lim.need <= TB_1_5_GIB else "would not fit") if lim.need is not None else None
         out["verdict"] = lim.verdict() + (f"; {fits} in 1.5 TB" if fits and lim.memory == "host RAM" else "")
     elif r["status"] == "skipped":
