@@ -3,6 +3,8 @@ a new sweep shows up without editing this file. Each takes the sweep's rows (``e
 and writes ``<out>/<name>.<format>``."""
 from __future__ import annotations
 
+import json
+
 import math
 from pathlib import Path
 
@@ -13,6 +15,9 @@ from .style import *  # noqa: F403
 from .style import (_fail_handle, _finish, _legend, _line_panel, _log2_ticks, _mark_failures,  # noqa: F401
                     _mfu_axis, _new_figure, _ordered_systems, _pyplot, _safe_max, _set_band_ylim, _style)
 
+
+
+SETUP_HATCHES = ("", "//", "..", "xx")  # the ablation figure: one hatching per setup
 
 def _system_bars(ax, df, ycol: str, ylabel: str, fmt: str = "{:,.0f}"):
     """One bar per system (value of ``ycol`` of its ok row); failed systems get an × and their status."""
@@ -342,12 +347,21 @@ def fig_hardware(df, out, formats):
                    fig_legend=(handles, min(len(handles), 4)))
 
 
+def _streaming_tag(settings) -> str:
+    """" · pure streaming" for rows whose engine settings put no layer on the GPU tier (gpu_resident 0)."""
+    try:
+        return " · pure streaming" if str(json.loads(settings).get("gpu_resident")) == "0" else ""
+    except (TypeError, ValueError, AttributeError):
+        return ""
+
+
 def fig_ablation(df, out, formats):
     """One panel: the variants as bars, "full" first, each other bar with its difference to full.
     Several setups (model × shape × hardware) become groups of bars side by side."""
     df = df.copy()
     df["_setup"] = (df["model"].astype(str) + " " + df["batch_size"].map(lambda v: f"{int(v)}" if pd.notna(v) else "?")
-                    + "×" + df["seq_len"].map(lambda v: f"{int(v)}" if pd.notna(v) else "?") + " " + df["hardware"])
+                    + "×" + df["seq_len"].map(lambda v: f"{int(v)}" if pd.notna(v) else "?") + " " + df["hardware"]
+                    + df.get("settings", pd.Series("", index=df.index)).map(_streaming_tag))
     setups = list(dict.fromkeys(df["_setup"]))
     variants = list(dict.fromkeys(df["variant"]))
     variants = [v for v in variants if v == "full"] + [v for v in variants if v != "full"]
@@ -365,10 +379,12 @@ def fig_ablation(df, out, formats):
             r = rows.iloc[-1]
             x = i - 0.4 + width * (j + 0.5)
             _, color, _ = _style(r["system"], df)
+            hatch = SETUP_HATCHES[j % len(SETUP_HATCHES)]  # setups told apart by hatching, not by colour
             if r["status"] == "ok" and pd.notna(r["tflops"]):
                 val = float(r["tflops"])
                 ax.bar(x, val, width=width * 0.9, color=color, alpha=1.0 if v == "full" else 0.55, zorder=3,
-                       edgecolor=color, lw=1.2, label=setup if i == 0 and len(setups) > 1 else None)
+                       edgecolor="#333333" if hatch else color, hatch=hatch, lw=1.2,
+                       label=setup if i == 0 and len(setups) > 1 else None)
                 txt = f"{val:.1f}"
                 if full_v and v != "full":
                     txt += f"\n{(val / full_v - 1) * 100:+.1f}%"

@@ -21,6 +21,7 @@ from baselines.registry import SYSTEMS, record
 
 from .claims import (CLAIMS_PATH, ClaimsError, _all_rows, _hw_long, _hw_short, _pct, _short, _verdict_kind,  # noqa: F401
                      evaluate_claim, load_claims, summary_lines)
+from . import accuracy
 from .config import H200_PEAK_TFLOPS, HARDWARE_ORDER
 from .figures import figures_for
 from .schema import (KNOWN_SWEEPS as SWEEPS, SAMPLE_GPU, SAMPLE_SHA, fill_x_from_point, formula_tflops,
@@ -291,6 +292,10 @@ def build_report(results_dir, claims_path=CLAIMS_PATH, plots_dir: str | Path | N
         lines.append("")
     lines += summary_lines(evaluated)
 
+    acc = Path(results_dir) / "accuracy_parity" / "accuracy_parity.jsonl"
+    if acc.exists():
+        fig = Path(plots_dir) / "accuracy_parity.png" if plots_dir else None
+        lines += accuracy.report_lines(acc, os.path.relpath(fig, out_path.parent) if fig and fig.exists() else None)
     if frames:
         lines += ["## Per-sweep results", ""]
         for sweep, df in frames.items():

@@ -6,6 +6,7 @@ across systems (one evaluator, the same weights) and the training losses equal t
 from __future__ import annotations
 
 import copy
+import json
 import importlib.util
 import sys
 from pathlib import Path
@@ -120,3 +121,22 @@ def test_held_out_split_is_disjoint_and_deterministic():
     train, held = ap.split_text(text, 0.1)
     assert train + held == text and len(held) == len(text) - int(len(text) * 0.9)
     assert ap.split_text(text, 0.1) == (train, held)
+
+
+def test_report_section_from_the_rows(tmp_path):
+    """The report's accuracy section: one line per eval step and system, the rule, each system's largest
+    difference and the verdict; a doctored curve flips the verdict."""
+    from experiments.accuracy import report_lines
+
+    rows = [{"system": s, "kind": "eval", "step": st, "eval_loss": 3.0 - st / 100 + (0.001 if s == "zero3" else 0),
+             "model": "tiny", "device": "cuda"} for s in ("native", "megatrain", "zero3") for st in (0, 50, 100)]
+    rows.append({"system": "megatrain", "kind": "summary", "steps": 100, "num_params": 1e6, "steps_per_s": 2.0,
+                 "optimizer": "cpp", "gpu_name": "NVIDIA H200", "git_sha": "abcdef1234567", "date": "2026-12-01"})
+    path = tmp_path / "a.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    text = "\n".join(report_lines(path, "../plots/accuracy_parity.png"))
+    assert "| 50 | 2.5000 | 2.5000 | 2.5010 |" in text and "Verdict: **agree**" in text
+    assert "zero3** vs native: largest difference 0.0010" in text and "accuracy_parity.png" in text
+    rows[4]["eval_loss"] += 0.5  # megatrain at step 50
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert "Verdict: **disagree**" in "\n".join(report_lines(path))

@@ -246,3 +246,32 @@ def test_report_prints_notes_verdicts_and_the_counts_line(tmp_path):
     assert f"330.0 TFLOPS [{path}]" in text
     assert "Verdict summary: matched: 2, not reproducible here: 1, not measured: 1." in text
     assert "Claims without a measured verdict: 1 (not measured) — target ≤ 3 (w5)." in text
+
+
+PLAN_GPU_SKIP = ("skipped: engine plan: GPU needs 162.21 GiB but 139.40 GiB is free (minus a 6.0 GiB margin = "
+                 "133.40 GiB) (host side: 819.0 GiB)")
+
+
+def test_engine_plan_gpu_refusal_is_missed_not_a_node_limit(tmp_path):
+    """More host RAM would not lift a GPU-side refusal of the engine's own plan: the verdict is "missed",
+    with the plan's numbers, for a trains claim and for an absolute one; a host-side skip stays
+    "not reproducible here"."""
+    rows = _frame(tmp_path, [_row("megatrain", 72, "skipped", error=PLAN_GPU_SKIP, host_estimate_gib=819.0),
+                             _row("megatrain", 32, "skipped", error=PLAN_SKIP)])
+    v = _ev(_claim("t72", "trains", "megatrain", {"params_b": 72}), rows)["verdict"]
+    assert v.startswith("missed (the engine's plan refuses the GPU side: needs 162.21 GiB > 133.40 GiB usable")
+    assert "host side ~819 GiB" in v
+    assert _ev(_claim("a72", "absolute", "megatrain", {"params_b": 72}), rows)["verdict"].startswith("missed (")
+    assert _ev(_claim("a32", "absolute", "megatrain", {"params_b": 32}), rows)["verdict"].startswith(
+        "not reproducible here: needs ~812 GiB host RAM")
+
+
+def test_ratio_finds_the_other_systems_row_of_the_same_point(tmp_path):
+    """Point ids start with the system's name: the ratio pairs megatrain__X with zero3__X, not with
+    another point of zero3."""
+    rows = _frame(tmp_path, [
+        _row("megatrain", 7, tflops=300.0, point="megatrain__qwen2.5-7b__L28__w1__s1024__b8__default__H200"),
+        _row("zero3", 7, tflops=100.0, point="zero3__qwen2.5-7b__L28__w1__s1024__b8__default__H200"),
+        _row("zero3", 7, tflops=50.0, point="zero3__qwen2.5-7b__L28__w1__s1024__b4__default__H200", batch_size=4)])
+    e = _ev(_claim("r7", "ratio", "megatrain", {"params_b": 7, "batch_size": 8}, paper=3.0, baseline="zero3"), rows)
+    assert e["ours"].startswith("3.00×") and e["verdict"].startswith("matched")
