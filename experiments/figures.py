@@ -189,22 +189,40 @@ def fig_size_host_memory(df, out, formats):
     return _finish(fig, df, "Host memory vs model size (size sweep)", note, out, "size_host_memory", formats)
 
 
-def _throughput_pair(df, xcol):
-    """Two panels; the left one: throughput over ``xcol`` with an MFU axis and the legend."""
+def _paper_curve(ax, sweep: str) -> list[float]:
+    """The paper's MegaTrain TFLOPS along the sweep (experiments/data/paper_claims.yaml) as a dotted grey
+    line with hollow markers; the y range grows to show it. Returns its x values (for the ticks)."""
+    from .claims import paper_points
+
+    pts, hw = paper_points(sweep)
+    if not pts:
+        return []
+    xs = sorted(pts)
+    ax.plot(xs, [pts[x] for x in xs], ls=":", lw=1.6, color="#555555", marker="D", mfc="white", ms=6, zorder=2,
+            label=f"paper: MegaTrain on a {hw}" if hw else "paper: MegaTrain")
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(lo, max(hi, 1.12 * max(pts.values())))
+    return xs
+
+
+def _throughput_pair(df, xcol, sweep: str = ""):
+    """Two panels; the left one: throughput over ``xcol`` (the paper's curve beside ours) with an MFU axis
+    and the legend."""
     fig, (ax1, ax2) = _new_figure(ncols=2, width=11.5, height=5.0)
     _line_panel(ax1, df, xcol, "tflops", "training throughput (TFLOPS)")
+    ax1.paper_xs = _paper_curve(ax1, sweep)
     _mfu_axis(ax1, df)
     _legend(ax1, [_fail_handle()], fontsize=7.5)
     return fig, ax1, ax2
 
 
 def fig_depth(df, out, formats):
-    fig, ax1, ax2 = _throughput_pair(df, "num_layers")
+    fig, ax1, ax2 = _throughput_pair(df, "num_layers", "depth")
     _host_memory_panel(ax2, df, "num_layers")
     _legend(ax2, fontsize=7)
     for ax in (ax1, ax2):
         _layer_ticks(ax, df)
-        ax.set_xlabel("number of layers (model size)")
+        ax.set_xlabel("number of layers (model size; log2 scale)")
     h = ", ".join(str(int(v)) for v in df["hidden_size"].dropna().unique()[:2])
     f = ", ".join(str(int(v)) for v in df["intermediate_size"].dropna().unique()[:2])
     return _finish(fig, df, f"Depth sweep: hidden {h}, FFN {f}", FORMULA_NOTE, out, "depth", formats)
@@ -215,10 +233,11 @@ def _layer_ticks(ax, df):
     per = d.dropna(subset=["num_layers"]).groupby("num_layers")["_p"].first().sort_index()
     if per.empty:
         return
+    ax.set_xscale("log", base=2)  # 4 .. 180 layers: a linear axis piles the small depths' labels together
     ax.set_xticks(list(per.index))
-    ax.set_xticklabels([f"{int(l)}\n{fmt_params(p) if pd.notna(p) else ''}" for l, p in per.items()], fontsize=8)
-    span = per.index.max() - per.index.min()
-    ax.set_xlim(per.index.min() - 0.05 * span - 1, per.index.max() + 0.12 * span + 1)
+    ax.set_xticklabels([f"{int(l)}\n{fmt_params(p) if pd.notna(p) else ''}" for l, p in per.items()], fontsize=7.5)
+    ax.minorticks_off()
+    ax.set_xlim(per.index.min() / 1.25, per.index.max() * 1.3)
 
 
 def fig_width(df, out, formats):
@@ -232,13 +251,14 @@ def fig_width(df, out, formats):
         span = per.index.max() - per.index.min()
         ax.set_xlim(per.index.min() - 0.06 * span - 0.1, per.index.max() + 0.15 * span + 0.1)
     ax.set_xlabel("width multiplier (hidden and FFN size × m; model size below)")
+    _paper_curve(ax, "width")
     _mfu_axis(ax, df)
     _legend(ax, [_fail_handle()])
     return _finish(fig, df, "Throughput vs width (width sweep)", FORMULA_NOTE, out, "width", formats)
 
 
 def fig_context(df, out, formats):
-    fig, ax1, ax2 = _throughput_pair(df, "seq_len")
+    fig, ax1, ax2 = _throughput_pair(df, "seq_len", "context")
     cap = df["gpu_mem_cap_gib"].dropna()
     _line_panel(ax2, df, "seq_len", "gpu_peak_allocated_gib", "GPU peak allocated memory (GiB)",
                 band=True, extra_top=float(cap.max()) if not cap.empty else 0.0)
@@ -246,8 +266,8 @@ def fig_context(df, out, formats):
         ax2.axhline(float(cap.max()), color="#B00020", ls="--", lw=1.2,
                     label=f"GPU memory cap {float(cap.max()):g} GiB")
     _legend(ax2, fontsize=7.5)
-    for ax in (ax1, ax2):
-        _log2_ticks(ax, fill_x_from_point(df, "seq_len"))
+    for ax in (ax1, ax2):  # the paper's lengths too, where it went further than these rows
+        _log2_ticks(ax, list(fill_x_from_point(df, "seq_len")) + list(ax1.paper_xs))
         ax.set_xlabel("sequence length (tokens, log2 scale)")
     models = ", ".join(dict.fromkeys(m for m in df["model"] if m))
     return _finish(fig, df, f"Context length sweep ({models})",

@@ -275,3 +275,14 @@ def test_ratio_finds_the_other_systems_row_of_the_same_point(tmp_path):
         _row("zero3", 7, tflops=50.0, point="zero3__qwen2.5-7b__L28__w1__s1024__b4__default__H200", batch_size=4)])
     e = _ev(_claim("r7", "ratio", "megatrain", {"params_b": 7, "batch_size": 8}, paper=3.0, baseline="zero3"), rows)
     assert e["ours"].startswith("3.00×") and e["verdict"].startswith("matched")
+
+
+def test_paper_points_give_the_papers_curve_for_the_figures():
+    """Depth, context and width figures draw the paper's MegaTrain TFLOPS beside ours: absolute and
+    relative claims both carry the paper's absolute value at their x."""
+    depth, hw = C.paper_points("depth")
+    assert depth[28.0] == 284 and depth[180.0] == 227 and len(depth) == 6 and hw == "GH200"
+    ctx, _ = C.paper_points("context")
+    assert ctx[1024.0] == 284.7 and ctx[524288.0] == 407.4
+    assert C.paper_points("width")[0] == {1.0: 406.0, 5.0: 100.0}
+    assert C.paper_points("size") == ({}, "")  # no curve: a bar figure
