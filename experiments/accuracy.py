@@ -125,7 +125,8 @@ def plot_accuracy(jsonl, png, ref: str = "native") -> list[Path]:
     parts = [first.get("model", ""), f"{env['num_params'] / 1e6:.1f}M params" if "num_params" in env else "",
              f"{env['tokens_per_step']} tokens/step" if "tokens_per_step" in env else "",
              env.get("gpu_name") or first.get("device", "")]
-    ax.set_title("Accuracy parity: " + ", ".join(p for p in parts if p))
+    ax.set_title("Accuracy parity: held-out loss, same init and batches\n" + ", ".join(p for p in parts if p),
+                 fontsize=10)
     fig.tight_layout()
     png = Path(png)
     png.parent.mkdir(parents=True, exist_ok=True)
