@@ -73,6 +73,12 @@ class EngineConfig:
     # Block-boundary activations: "gpu" (kept on the GPU), "host" (offloaded to pinned host memory on the
     # D2H stream, prefetched back for the backward) or "auto" (host only when the GPU cannot hold them).
     boundary_offload: str = "auto"
+    # Where the host tier's gradients wait until the step's global norm is known (megatrain/grad_placement.py):
+    # "gpu" (on the GPU, c B/param for every group; streamed through the slabs into the host update), "host"
+    # (each host-tier group's gradient leaves the GPU on the D2H stream as soon as it is final, into a pinned
+    # fp32 host buffer, 4 B/param of host RAM; only the GPU tier's gradients stay on the GPU) or "auto"
+    # ("gpu" when the placement plan fits the GPU with them there, else "host").
+    grad_placement: str = "auto"
     attn_implementation: str = "sdpa"
     seed: int = 0
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -99,6 +105,8 @@ class EngineConfig:
             raise ValueError(f"speculate must be 'auto', 'always' or 'never', got {self.speculate!r}")
         if self.boundary_offload not in ("auto", "gpu", "host"):
             raise ValueError(f"boundary_offload must be 'auto', 'gpu' or 'host', got {self.boundary_offload!r}")
+        if self.grad_placement not in ("auto", "gpu", "host"):
+            raise ValueError(f"grad_placement must be 'auto', 'gpu' or 'host', got {self.grad_placement!r}")
         if self.max_position_embeddings < 0:
             raise ValueError(f"max_position_embeddings must be >= 0 (0 = the model's), got {self.max_position_embeddings}")
         if self.mlp_chunk_tokens < -1:

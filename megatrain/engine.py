@@ -26,6 +26,7 @@ from .boundaries import HostBuffers, make_boundaries
 from .config import EngineConfig
 from .device_adamw import DeviceAdamW
 from .grad_offload import GradStream
+from .grad_placement import make_grad_home
 from .host_adamw import HostAdamW
 from .loss import chunked_lm_loss
 from .optim import Optimizers
@@ -124,8 +125,12 @@ class MegaTrain:
         if dist:
             dist.barrier("weights written")  # the others read what the leader wrote only after this
 
+        # Where final gradients wait for the norm (grad_placement, resolved by the plan): on the GPU, or the
+        # host tier's in pinned host buffers filled during the backward (megatrain/grad_placement.py).
+        self.grad_home = make_grad_home(self.placement.grads, {n: self.store.by_name[n].numel
+                                                               for n in self.placement.host_names}, self.streams, pin)
         # Optimizers: one implementation per tier behind one interface (megatrain/optim.py).
-        self.grad_stream = GradStream(self.streams, cfg.grad_slabs, pin=pin)
+        self.grad_stream = GradStream(self.streams, self.grad_home.slabs(cfg.grad_slabs), pin=pin)
         host_adamw = dist.host_adamw if dist else HostAdamW  # data parallel: each local rank updates a slice
         self.host_opt = host_adamw(self.store, cfg.optim, self.placement.host_names, self.grad_stream,
                                    background=cfg.overlap_optimizer)
@@ -163,7 +168,8 @@ class MegaTrain:
         return placement.plan({g.name: g.numel for g in self.groups}, shape, setting=cfg.gpu_resident,
                               on_gpu=on_gpu, gpu_free=gpu_free, host_available=memory.available_host_bytes(),
                               gpu_margin=int(cfg.gpu_margin_gib * placement.GIB),
-                              host_margin=int(cfg.host_margin_gib * placement.GIB), tiers=tiers)
+                              host_margin=int(cfg.host_margin_gib * placement.GIB), tiers=tiers,
+                              grads=cfg.grad_placement)
 
     @classmethod
     def from_config(cls, hf_config, cfg: EngineConfig | None = None, **kw) -> "MegaTrain":
@@ -248,7 +254,8 @@ class MegaTrain:
         """Cumulative counters whose per-step differences go into ``stats``."""
         h = self.host_opt
         return dict(h2d_loads=self.pool.loads, optimizer_exposed_s=h.wait_s, host_update_busy_s=h.busy_s,
-                    early_groups=h.early_groups, rollbacks=h.rollbacks, d2h_bytes=self.grad_stream.bytes_d2h)
+                    early_groups=h.early_groups, rollbacks=h.rollbacks,
+                    d2h_bytes=self.grad_stream.bytes_d2h + self.grad_home.bytes_d2h)
 
     def _load_order(self) -> list[int]:
         """Every layer use of a step, in order: forward 0..L-1, then per block (last first) ascending."""
@@ -376,6 +383,9 @@ class MegaTrain:
         sqnorm = torch.linalg.vector_norm(flat, dtype=torch.float32).square()
         st.sqnorms.append(sqnorm)
         ready = self.streams.record(self.streams.compute)  # the gradient and its norm are written after this
+        # grad_placement="host": a host-tier gradient leaves the GPU now (D2H stream, after ``ready``) and its
+        # optimizer gets the host buffer and the copy's event; otherwise the GPU tensor and ``ready``.
+        flat, ready = self.grad_home.place(name, flat, ready)
         self.optimizer.grad_ready(name, flat, sqnorm, ready)
 
     # -- weights in ---------------------------------------------------------------------------------
@@ -455,11 +465,13 @@ class MegaTrain:
         plan = self.placement
         host_estimate = sum(plan.host_parts.values())
         stats = MemoryStats(host_rss=self._peak_rss,
-                            host_pinned=self.store.pinned_bytes + self.grad_stream.pinned_bytes,
+                            host_pinned=(self.store.pinned_bytes + self.grad_stream.pinned_bytes
+                                         + self.grad_home.pinned_bytes),
                             extra={"host_estimate_bytes": host_estimate,
                                    "host_bytes_per_param": (host_estimate / plan.params_on("host")) if plan.params_on("host") else None,
                                    "gpu_estimate_bytes": sum(plan.gpu_parts.values()),
                                    "gpu_resident_layers": plan.gpu_layers, "gpu_tier": plan.gpu_names,
+                                   "grad_placement": plan.grads,
                                    "skipped_steps": self.skipped_steps,
                                    "pool_slots": self.num_pool_slots, "h2d_loads": self.pool.loads})
         if self.device.type == "cuda":
@@ -488,7 +500,8 @@ class MegaTrain:
         try:
             self.synchronize()
         finally:
-            self.optimizer.close()
+            self.optimizer.close()  # joins the worker: nothing reads the host gradient buffers after this
+            self.grad_home.close()
             self.store.close()
             self._boundary_host.close()  # unpin offloaded-boundary buffers
             self.pool = self.resident = None

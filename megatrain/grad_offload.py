@@ -7,7 +7,8 @@ the update reads each chunk straight from its slab.
 
 With ``n_slabs == 0`` (the "no slab pool" ablation) each chunk is copied synchronously to fresh
 pageable memory, which is what a naive implementation does. On a CPU run the gradient already is in
-host memory and chunks are views.
+host memory and chunks are views; so is a host-tier gradient already copied to its host buffer during
+the backward (grad_placement="host", megatrain/grad_placement.py), once its copy event has completed.
 """
 from __future__ import annotations
 
@@ -72,6 +73,9 @@ class GradStream:
         n, step = flat.numel(), self.chunk_elems
         starts = range(0, n, step)
         if flat.device.type == "cpu":
+            # A host gradient buffer (grad_placement="host") is filled by a D2H copy: read it only once that
+            # copy has landed. (On a CPU run events are always complete.)
+            ready.synchronize()
             for s in starts:
                 yield s, flat[s:s + step]
             return

@@ -1,5 +1,6 @@
 """AdamW of the host tier: a worker thread updates the fp32 master, m and v in host RAM, reading each
-gradient chunk straight from a pinned slab (megatrain/grad_offload.py).
+gradient chunk straight from a pinned slab (megatrain/grad_offload.py), or from the group's pinned host
+gradient buffer with grad_placement="host" (megatrain/grad_placement.py).
 
 Exact clipping needs the global norm, known only after the backward. Two schedules, chosen per step by
 ``SpeculationPolicy`` (megatrain/optim.py):
@@ -7,7 +8,8 @@ Exact clipping needs the global norm, known only after the backward. Two schedul
 * **speculative**: a group is updated with clip coefficient 1 as soon as its gradient exists (during the
   backward, groups arrive final, L-1 .. 0, embed). At ``finish`` the norm is known: no clipping -> done;
   clipping -> each early update is undone (AdamW is invertible given the gradient, which still waits on
-  the GPU) and redone with the true coefficient; a non-finite norm -> undone, the step is skipped.
+  the GPU, or in its host buffer with grad_placement="host") and redone with the true coefficient; a
+  non-finite norm -> undone, the step is skipped.
   A group whose own norm is not finite is never updated early (NaN could not be undone).
 * **after the norm**: all updates run in ``finish``, in the order the next forward needs the groups.
 

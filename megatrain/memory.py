@@ -4,6 +4,7 @@ before anything is allocated, is megatrain/placement.py.
 host bytes = 12·P_host                  fp32 master + AdamW m + v of the host-tier groups
            + 2·P_host (bf16 stream)     pinned bf16 shadow of the master
            + slabs · chunk · 4          pinned gradient slabs (gradients wait on the GPU, no host buffer)
+                                        or, with grad_placement="host", 4·P_host pinned host gradients
            + overhead                   Python, torch, CUDA context (~1.5 GiB measured order)
 
 With pure streaming (gpu_resident=0) P_host = P: 12 B/param + a fixed ~1.8 GiB, whatever the micro-batch
@@ -109,4 +110,4 @@ def plan_for_spec(spec, options: dict | None = None, *, micro_batches: int = 1, 
     return placement.plan(spec_group_numels(spec), shape, setting=str(cfg.gpu_resident), on_gpu=True,
                           gpu_free=gpu_free, host_available=host_available,
                           gpu_margin=int(cfg.gpu_margin_gib * placement.GIB),
-                          host_margin=int(cfg.host_margin_gib * placement.GIB))
+                          host_margin=int(cfg.host_margin_gib * placement.GIB), grads=cfg.grad_placement)

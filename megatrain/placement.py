@@ -48,6 +48,7 @@ class StepShape:
     loss_chunk_tokens: int
     mlp_chunk_tokens: int = -1  # as EngineConfig.mlp_chunk_tokens
     boundaries_on_gpu: int | None = None  # None: all block boundaries on the GPU; g: g of them (rest on host)
+    grads: str = "gpu"  # where host-tier gradients wait for the norm: "gpu" | "host" (see module doc)
 
 
 @dataclass
@@ -59,6 +60,8 @@ class Placement:
     gpu_budget: int | None = None  # bytes usable on the GPU (free - margin); None on CPU
     host_budget: int | None = None
     setting: str = ""
+    grads: str = "gpu"  # where the host tier's gradients wait: "gpu" | "host" (the resolved grad_placement)
+    grad_setting: str = "gpu"  # grad_placement as asked ("gpu" | "host" | "auto")
 
     @property
     def gpu_names(self) -> list[str]:
@@ -91,7 +94,8 @@ class Placement:
         def gib(parts):
             return ", ".join(f"{k} {v / GIB:.2f}" for k, v in parts.items() if v)
 
-        lines = [f"placement (gpu_resident={self.setting}): GPU tier: {names('gpu')} = "
+        grads = self.grads if self.grad_setting == self.grads else f"{self.grad_setting} -> {self.grads}"
+        lines = [f"placement (gpu_resident={self.setting}, grad_placement={grads}): GPU tier: {names('gpu')} = "
                  f"{_count(self.params_on('gpu'))} params; host tier: {names('host')} = "
                  f"{_count(self.params_on('host'))} params"]
         if self.gpu_parts:
@@ -103,8 +107,30 @@ class Placement:
         return "\n".join(lines)
 
 
+def grad_bytes(numels: dict[str, int], tiers: dict[str, str], shape: StepShape) -> int:
+    """GPU bytes of gradients waiting for the global norm (exact clipping), see module doc."""
+    c = shape.compute_bytes
+
+    def waiting(names):  # compute dtype per layer parameter, fp32 for embedding/head
+        return sum((c if x.startswith("layer.") else 4) * numels[x] for x in names)
+
+    if shape.grads == "gpu":
+        return waiting(numels)
+    # "host": the GPU tier's gradients wait; a host-tier one only until its D2H copy has read it. In flight
+    # at most (megatrain/grad_placement.py back-pressure): the new layer gradient, the previous one whose
+    # copy may still run, one fp32 widening (2c + 4 per layer parameter; 4 with fp32 compute); and an
+    # embedding/head gradient (fp32) with its flat copy, or a tied head's gradient kept through the
+    # backward for the embedding to add into (8 per parameter of the largest such group).
+    host_layers = [numels[x] for x, t in tiers.items() if t == "host" and x.startswith("layer.")]
+    host_other = [numels[x] for x, t in tiers.items() if t == "host" and not x.startswith("layer.")]
+    per_layer = 2 * c + 4 if c != 4 else 4
+    in_flight = per_layer * max(host_layers, default=0) + 8 * max(host_other, default=0)
+    return waiting([x for x, t in tiers.items() if t == "gpu"]) + in_flight
+
+
 def gpu_fixed_parts(numels: dict[str, int], shape: StepShape, any_gpu_tier: bool, any_host_layer: bool) -> dict[str, int]:
-    """GPU bytes that do not depend on how many groups are resident (beyond whether any are)."""
+    """GPU bytes that do not depend on how many groups are resident (beyond whether any are); gradients
+    are ``grad_bytes``."""
     layer_numels = [n for name, n in numels.items() if name.startswith("layer.")]
     other = sum(n for name, n in numels.items() if not name.startswith("layer."))
     max_layer = max(layer_numels)
@@ -113,8 +139,6 @@ def gpu_fixed_parts(numels: dict[str, int], shape: StepShape, any_gpu_tier: bool
         "slots": shape.num_pool_slots * max_layer * c,
         "staging": max_layer * 4 if (any_host_layer and shape.stream_fp32 and c != 4) else 0,
         "resident_compute": other * c,
-        # Every group's gradient waits on the GPU until the global norm is known (exact clipping).
-        "grads": c * sum(layer_numels) + 4 * other,
         "grad_accumulators": shape.block * max_layer * 4 if shape.micro_batches > 1 else 0,
         "update_scratch": max(numels.values()) * 4 if (any_gpu_tier and c != 4) else 0,
     }
@@ -154,7 +178,10 @@ def host_parts_for(numels: dict[str, int], tiers: dict[str, str], shape: StepSha
         "offloaded_boundaries": host_boundaries(shape),
         "host_tier_state": HOST_TIER_BYTES_PER_PARAM * p_host,
         "bf16_shadow": 2 * p_host if shape.bf16_shadow else 0,
-        "grad_slabs": shape.slab_bytes_total if p_host else 0,
+        # grad_placement="host": the host tier's gradients in pinned fp32 buffers, read straight by the
+        # host AdamW, so no slabs; "gpu": they stream through the slabs.
+        "host_grads": 4 * p_host if shape.grads == "host" else 0,
+        "grad_slabs": shape.slab_bytes_total if (p_host and shape.grads == "gpu") else 0,
         # one group materialised in fp32 on the host while weights are initialised or read from disk (the
         # allocator keeps it mapped afterwards; measured on CPU)
         "io_staging": 4 * max(numels.values()),
@@ -182,9 +209,27 @@ def tiers_for_layers(names: list[str], n: int) -> dict[str, str]:
 
 
 def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool, gpu_free: int, host_available: int,
-         gpu_margin: int, host_margin: int, tiers: dict[str, str] | None = None) -> Placement:
-    """Decide the tiers (or check the given ``tiers``) and predict both memories. Raises MemoryError with the
+         gpu_margin: int, host_margin: int, tiers: dict[str, str] | None = None, grads: str = "auto") -> Placement:
+    """Decide the tiers (or check the given ``tiers``) and where the host tier's gradients wait (``grads``:
+    "gpu" | "host" | "auto", see module doc), and predict both memories. Raises MemoryError with the
     numbers when the configuration fits neither; nothing has been allocated at that point."""
+    if grads not in ("gpu", "host", "auto"):
+        raise ValueError(f"grads must be 'gpu', 'host' or 'auto', got {grads!r}")
+    args = dict(setting=setting, on_gpu=on_gpu, gpu_free=gpu_free, host_available=host_available,
+                gpu_margin=gpu_margin, host_margin=host_margin, tiers=tiers)
+    placement, problems = _plan_with(numels, replace(shape, grads="gpu" if grads == "auto" else grads), **args)
+    if grads == "auto" and on_gpu and problems.get("gpu"):
+        # The gradients do not fit the GPU beside the rest: give the host tier's a host home instead.
+        placement, problems = _plan_with(numels, replace(shape, grads="host"), **args)
+    placement.grad_setting = grads
+    if problems:
+        raise MemoryError("model does not fit: " + "; ".join(problems.values()) + "\n" + placement.summary())
+    return placement
+
+
+def _plan_with(numels, shape, *, setting, on_gpu, gpu_free, host_available, gpu_margin, host_margin,
+               tiers) -> tuple[Placement, dict[str, str]]:
+    """One plan for ``shape.grads``: the placement and what does not fit ({"gpu" | "host": message})."""
     names = list(numels)
     host_budget = host_available - host_margin
     gpu_budget = gpu_free - gpu_margin if on_gpu else None
@@ -202,28 +247,27 @@ def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool
     if on_gpu:
         shape = offload_boundaries_if_needed(numels, tiers, shape, gpu_budget)
     placement = Placement(tiers=dict(tiers), numels=dict(numels), setting=setting,
-                          gpu_budget=gpu_budget, host_budget=host_budget)
+                          gpu_budget=gpu_budget, host_budget=host_budget, grads=shape.grads, grad_setting=shape.grads)
     placement.gpu_parts = _gpu_parts(numels, tiers, shape)
     placement.host_parts = host_parts_for(numels, tiers, shape)
     gpu_total, host_total = sum(placement.gpu_parts.values()), sum(placement.host_parts.values())
     if not on_gpu:  # both "tiers" share host memory (CPU runs, tests)
         host_total += gpu_total
-    problems = []
+    problems = {}
     if on_gpu and gpu_total > gpu_budget:
-        problems.append(f"GPU needs {gpu_total / GIB:.2f} GiB but {gpu_free / GIB:.2f} GiB is free "
-                        f"(minus a {gpu_margin / GIB:.1f} GiB margin = {gpu_budget / GIB:.2f} GiB)")
+        problems["gpu"] = (f"GPU needs {gpu_total / GIB:.2f} GiB but {gpu_free / GIB:.2f} GiB is free "
+                           f"(minus a {gpu_margin / GIB:.1f} GiB margin = {gpu_budget / GIB:.2f} GiB)")
     if host_total > host_budget:
-        problems.append(f"host needs {host_total / GIB:.2f} GiB but {host_available / GIB:.2f} GiB is available "
-                        f"(minus a {host_margin / GIB:.1f} GiB margin = {host_budget / GIB:.2f} GiB)")
-    if problems:
-        raise MemoryError("model does not fit: " + "; ".join(problems) + "\n" + placement.summary())
-    return placement
+        problems["host"] = (f"host needs {host_total / GIB:.2f} GiB but {host_available / GIB:.2f} GiB is available "
+                            f"(minus a {host_margin / GIB:.1f} GiB margin = {host_budget / GIB:.2f} GiB)")
+    return placement, problems
 
 
 def _gpu_parts(numels, tiers, shape) -> dict[str, int]:
     any_gpu = any(t == "gpu" for t in tiers.values())
     any_host_layer = any(t == "host" for n, t in tiers.items() if n.startswith("layer."))
-    parts = {"gpu_tier_state": GPU_TIER_BYTES_PER_PARAM * sum(n for x, n in numels.items() if tiers[x] == "gpu")}
+    parts = {"gpu_tier_state": GPU_TIER_BYTES_PER_PARAM * sum(n for x, n in numels.items() if tiers[x] == "gpu"),
+             "grads": grad_bytes(numels, tiers, shape)}
     parts.update(gpu_fixed_parts(numels, shape, any_gpu, any_host_layer))
     return parts
 

@@ -23,6 +23,9 @@ OPTIM = OptimConfig(lr=1e-3, weight_decay=0.1, max_grad_norm=0.5, warmup_steps=1
     dict(num_slots=2, checkpoint_interval=2, gpu_resident="4"),  # all on the GPU tier
     dict(num_slots=2, checkpoint_interval=1, speculate="always"),  # early host updates, rolled back (clip fires)
     dict(num_slots=2, checkpoint_interval=2, boundary_offload="host", gpu_resident="1"),
+    # host-tier gradients into pinned host buffers during the backward (D2H stream, events, back-pressure)
+    dict(num_slots=2, checkpoint_interval=1, grad_placement="host", gpu_resident="0"),
+    dict(num_slots=2, checkpoint_interval=2, grad_placement="host", gpu_resident="2", speculate="always"),
 ])
 def test_cuda_fp32_matches_cpu_reference(overrides):
     """fp32 compute on the GPU through streams/events/slabs equals plain PyTorch on the CPU (TF32 off)."""
@@ -45,11 +48,14 @@ def test_cuda_fp32_matches_cpu_reference(overrides):
         assert rel < 1e-4, (name, rel)
 
 
-def test_cuda_bf16_tracks_reference():
+@pytest.mark.parametrize("grads", ["gpu", "host"])  # "host": bf16 gradients widened on the D2H stream
+def test_cuda_bf16_tracks_reference(grads):
     spec = PRESETS["tiny-qwen2"]
     hf = spec.to_hf_config("sdpa")
     data = [synthetic_batch(spec.vocab_size, 8, 128, 1, s) for s in range(8)]
-    engine = MegaTrain.from_config(hf, EngineConfig(device="cuda", micro_batches=1, optim=OPTIM), verbose=False)
+    tiers = dict(gpu_resident="0", grad_placement="host") if grads == "host" else {}  # "host": all streamed
+    engine = MegaTrain.from_config(hf, EngineConfig(device="cuda", micro_batches=1, optim=OPTIM, **tiers),
+                                   verbose=False)
     init = {k: v.clone() for k, v in engine.state_dict().items()}
     losses = [engine.step(b).loss for b in data]
     engine.close()

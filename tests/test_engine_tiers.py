@@ -94,16 +94,21 @@ def _inject_nan(engine, layer_name: str, at_call: int):
     engine._grad_ready = grad_ready
 
 
-@pytest.mark.parametrize("speculate,gpu_resident", [("never", "0"), ("never", "2"), ("always", "0")])
-def test_nan_gradient_skips_step(speculate, gpu_resident):
+@pytest.mark.parametrize("speculate,gpu_resident,grads", [
+    ("never", "0", "gpu"), ("never", "2", "gpu"), ("always", "0", "gpu"),
+    ("never", "0", "host"), ("never", "2", "host"), ("always", "0", "host")])  # grad_placement
+def test_nan_gradient_skips_step(speculate, gpu_resident, grads):
     """A NaN in one layer's gradient: the step is skipped with a warning and counted; weights, m, v and
     step counts are as before (bit-identical without speculation; undone to fp32 rounding when early
-    updates had been applied); the next steps match a reference that skipped the same batch."""
+    updates had been applied); the next steps match a reference that skipped the same batch. With the
+    host tier's gradients in host buffers (grad_placement="host") too."""
     spec = PRESETS["tiny-llama"]
     hf = spec.to_hf_config("eager")
     data = batches(spec)
-    cfg = engine_cfg(checkpoint_interval=2, speculate=speculate, gpu_resident=gpu_resident, optim=NO_CLIP)
+    cfg = engine_cfg(checkpoint_interval=2, speculate=speculate, gpu_resident=gpu_resident, optim=NO_CLIP,
+                     grad_placement=grads)
     engine = MegaTrain.from_config(hf, cfg, verbose=False)
+    assert engine.placement.grads == grads
     init = {k: v.clone() for k, v in engine.state_dict().items()}
     _inject_nan(engine, "layer.1", at_call=3)  # third step (one gradient per step with the last micro-batch)
     losses = []

@@ -146,11 +146,19 @@ def test_skip_rules(compose_fn):
     assert reason.startswith("skipped: engine plan (GPU tier filled first): host needs") and "GiB" in reason
     # the pure-streaming estimate (12 B/param) would have skipped 14B: the plan is what the engine does
     assert sweeps.host_estimate(mt14, "cuda")["total_bytes"] > avail
-    # a GPU-side refusal (72B: its gradients alone exceed the GPU) is a skip with the plan's numbers
+    # 72B: its bf16 gradients alone exceed the GPU, so grad_placement="auto" gives the host tier's a host
+    # home; the GPU side then fits and the point is skipped for host RAM (~1 TiB), with the plan's numbers
     mt72 = by[("megatrain", "qwen2.5-72b")]
     est72 = sweeps.host_estimate(mt72, "cuda", gpu)
-    assert est72["gpu_refusal"] and est72["total_bytes"] > 800 * GIB
-    assert sweeps.skip_reason(mt72, estimate=est72, **kw).startswith("skipped: engine plan: GPU needs")
+    assert not est72["gpu_refusal"] and est72["total_bytes"] > 800 * GIB
+    assert "grad_placement=auto -> host" in est72["plan"]
+    reason = sweeps.skip_reason(mt72, estimate=est72, **kw)
+    assert reason.startswith("skipped: engine plan (GPU tier filled first): host needs") and "126.0 GiB" in reason
+    # with the gradients kept on the GPU (the engine before grad_placement) it is a GPU-side refusal
+    mt72_gpu = dataclasses.replace(mt72, options=dict(mt72.options, grad_placement="gpu"))
+    est72_gpu = sweeps.host_estimate(mt72_gpu, "cuda", gpu)
+    assert est72_gpu["gpu_refusal"]
+    assert sweeps.skip_reason(mt72_gpu, estimate=est72_gpu, **kw).startswith("skipped: engine plan: GPU needs")
     zero3_14 = by[("zero3", "qwen2.5-14b")]
     assert sweeps.skip_reason(zero3_14, estimate=sweeps.host_estimate(zero3_14, "cuda", gpu), **kw)
     # all-on-GPU: judged by GPU memory (12 B/param), not by host RAM
