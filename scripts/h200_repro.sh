@@ -13,8 +13,17 @@
 #   context   engine long-context rows: 1K (reference), 512K full depth (the plan's verdict), 256K,
 #             512K as a 4-layer slice (throughput); rollback cost of the speculative host AdamW
 #   parity    accuracy parity (0.5B, real text, engine vs ZeRO-3 vs all-on-GPU)
+# Session 2026-12-01c (commit in each row), each phase cut off by PHASE_BUDGET_S (default 540 s: what is
+# not started is listed in the log and left for a rerun, which resumes):
+#   engine    GPU tests of the gradient placement; hardware: MegaTrain 7B/14B/32B on the emulated GPUs again
+#             (grad_placement=auto), ZeRO-3/Gemini 14B/32B memory verdicts; ablation: 7B pure streaming
+#             full vs grads_on_host, 14B tiered full / grads_on_host / no_double_buffer / no_opt_overlap
+#   baselines size: every system at 3B and 7B; hardware: ZeRO-3 / Gemini 7B on the emulated A100
+#   tokens    tokens sweep (3B, 8K..158K tokens per step: MegaTrain, all-on-GPU, ZeRO-3 at three points);
+#             depth: MegaTrain L4-L14 on the current engine, pure streaming L4..L56
 set -uo pipefail
-phase="${1:?usage: h200_repro.sh sweeps1|context|parity}"
+phase="${1:?usage: h200_repro.sh sweeps1|context|parity|engine|baselines|tokens}"
+budget="${PHASE_BUDGET_S:-540}"
 : "${OUT:?set OUT}"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True MEGATRAIN_SITE=/tmp/site WHEELHOUSE_SKIP=megatrain
 mkdir -p "$OUT/engine"
@@ -32,8 +41,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>
 free -g >>"$log"
 
 run() {  # the runner into the committed results/, one line of progress per point in the log
-  say "runner: $*"
-  python3 -m experiments.run results_dir=results "$@" >>"$log" 2>&1
+  local left=$(( budget - ($(date +%s) - t0) - 20 ))
+  if [ "$left" -lt 30 ]; then say "not started (phase budget ${budget}s spent): $*"; return; fi
+  say "runner (time_budget_s=$left): $*"
+  python3 -m experiments.run results_dir=results time_budget_s="$left" "$@" >>"$log" 2>&1
   say "runner exit $?"
 }
 bench() {
@@ -65,6 +76,33 @@ case "$phase" in
     say "accuracy parity"
     python3 scripts/accuracy_parity.py --cache /tmp/ap_cache --out "$OUT/engine" >>"$log" 2>&1
     say "parity exit $?"
+    ;;
+  engine)
+    say "GPU tests (gradient placement among them)"
+    timeout 150 python3 -m pytest -m gpu tests/test_engine_gpu.py -q -x -p no:cacheprovider >>"$log" 2>&1
+    say "pytest exit $?"
+    hw='sweep.hardware=[A100-80GB,RTX-A6000-48GB,RTX-3090-24GB]'
+    run sweep=hardware "$hw" 'sweep.systems=[zero3,gemini]' 'sweep.models=[qwen2.5-14b,qwen2.5-32b]' shared_init=false
+    run sweep=hardware "$hw" system=megatrain 'sweep.models=[qwen2.5-7b,qwen2.5-14b,qwen2.5-32b]' \
+        'only=[*RTX-3090*,*14b*,*32b*]' redo=true shared_init=false timeout_s=150
+    run sweep=ablation model=qwen2.5-7b system=megatrain system.options.gpu_resident=0 \
+        'only=[*__full__*,*grads_on_host*]' redo=true shared_init=false steps=2 warmup_steps=1 timeout_s=100
+    run sweep=ablation model=qwen2.5-14b system=megatrain \
+        'only=[*__full__*,*grads_on_host*,*no_double_buffer*,*no_opt_overlap*]' shared_init=false steps=2 \
+        warmup_steps=1 timeout_s=120
+    ;;
+  baselines)
+    run sweep=size 'only=[*qwen2.5-7b*,*qwen2.5-3b*]' shared_init=false steps=2 warmup_steps=1 timeout_s=150
+    run sweep=hardware 'sweep.hardware=[A100-80GB]' 'sweep.systems=[zero3,gemini]' shared_init=false \
+        steps=2 warmup_steps=1 timeout_s=150
+    ;;
+  tokens)
+    run sweep=tokens 'sweep.systems=[megatrain,native]' shared_init=false steps=2 warmup_steps=1 timeout_s=90
+    run sweep=tokens system=zero3 'only=[*b8__*,*b32__*,*b158__*]' shared_init=false steps=2 warmup_steps=1 \
+        timeout_s=120
+    run sweep=depth system=megatrain 'only=[*L4__*,*L8__*,*L14__*]' redo=true shared_init=false timeout_s=60
+    run sweep=depth system=megatrain '+sweep.variants={pure_streaming:{gpu_resident:"0"}}' \
+        'only=[*L4__*,*L14__*,*L28__*,*L56__*,*L8__*,*L42__*]' shared_init=false steps=2 warmup_steps=1 timeout_s=90
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -52,7 +52,7 @@ def test_every_sweep_file_exists_and_expands(compose_fn):
 
 def test_paper_axes(compose_fn):
     _, pts = expand(compose_fn, "sweep=size")
-    assert [p.model for p in pts[::5]] == ["qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b",
+    assert [p.model for p in pts[::5]] == ["qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b",
                                            "gpt-oss-120b-dense"]
     assert [p.system for p in pts[:5]] == ["megatrain", "zero3", "fsdp", "gemini", "native"]
     assert {(p.batch_size, p.seq_len) for p in pts} == {(8, 1024)}
@@ -79,8 +79,8 @@ def test_paper_axes(compose_fn):
 
     _, pts = expand(compose_fn, "sweep=tokens")
     mt = [p for p in pts if p.system == "megatrain"]
-    assert [p.tokens_per_step for p in mt] == [2048 * 2**i for i in range(8)]
-    assert {p.seq_len for p in mt} == {1024} and {p.system for p in pts} == {"megatrain", "native"}
+    assert [p.tokens_per_step for p in mt] == [8192 * 2**i for i in range(5)] + [158 * 1024]  # the paper's 158x1024
+    assert {p.seq_len for p in mt} == {1024} and {p.system for p in pts} == {"megatrain", "native", "zero3"}
     assert {p.model for p in pts} == {"qwen2.5-3b"}
 
 
@@ -101,14 +101,15 @@ def test_ablation_variants_and_overrides(compose_fn):
     _, pts = expand(compose_fn, "sweep=ablation")
     opts = {p.variant: p.options for p in pts}
     assert list(opts) == ["full", "no_double_buffer", "no_slab_pool", "ckpt_interval_1", "no_opt_overlap",
-                          "pure_streaming", "no_speculation"]
+                          "pure_streaming", "no_speculation", "grads_on_host"]
     full = opts["full"]
     assert full["checkpoint_interval"] == 4 and full["num_slots"] == 2 and full["grad_slabs"] > 0
     assert full["overlap_optimizer"] is True
     diff = {v: {k: o[k] for k in o if o[k] != full[k]} for v, o in opts.items()}
     assert diff == {"full": {}, "no_double_buffer": {"num_slots": 1}, "no_slab_pool": {"grad_slabs": 0},
                     "ckpt_interval_1": {"checkpoint_interval": 1}, "no_opt_overlap": {"overlap_optimizer": False},
-                    "pure_streaming": {"gpu_resident": "0"}, "no_speculation": {"speculate": "never"}}
+                    "pure_streaming": {"gpu_resident": "0"}, "no_speculation": {"speculate": "never"},
+                    "grads_on_host": {"grad_placement": "host"}}
     assert {p.model for p in pts} == {"qwen2.5-3b"} and {p.batch_size for p in pts} == {16}
     # the sweep's model default yields to the command line; system options too
     _, pts = expand(compose_fn, "sweep=ablation", "model=qwen2.5-7b", "system=megatrain",
@@ -121,7 +122,7 @@ def test_ablation_variants_and_overrides(compose_fn):
 
 def test_system_filter_and_errors(compose_fn):
     _, pts = expand(compose_fn, "sweep=size", "system=zero3")
-    assert {p.system for p in pts} == {"zero3"} and len(pts) == 5
+    assert {p.system for p in pts} == {"zero3"} and len(pts) == 6  # 3B, then the paper's five sizes
     with pytest.raises(sweeps.SweepError, match="known: "):
         expand(compose_fn, "sweep=size", "sweep.models=[qwen9]")
     with pytest.raises(sweeps.SweepError, match="micro_batches"):
