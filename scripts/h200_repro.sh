@@ -26,6 +26,8 @@ phase="${1:?usage: h200_repro.sh sweeps1|context|parity|engine|baselines|tokens}
 budget="${PHASE_BUDGET_S:-540}"
 : "${OUT:?set OUT}"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True MEGATRAIN_SITE=/tmp/site WHEELHOUSE_SKIP=megatrain
+# the baselines' shared initial weights (12-30 GB per model) stay out of results/ and out of the tarball
+export MEGATRAIN_CACHE="${MEGATRAIN_CACHE:-/tmp/init_cache}"
 mkdir -p "$OUT/engine"
 log="$OUT/$phase.log"
 t0=$(date +%s)
@@ -98,14 +100,15 @@ case "$phase" in
     ;;
   tokens)
     run sweep=tokens 'sweep.systems=[megatrain,native]' shared_init=false steps=2 warmup_steps=1 timeout_s=90
-    run sweep=tokens system=zero3 'only=[*b8__*,*b32__*,*b158__*]' shared_init=false steps=2 warmup_steps=1 \
-        timeout_s=120
     run sweep=depth system=megatrain 'only=[*L4__*,*L8__*,*L14__*]' redo=true shared_init=false timeout_s=60
     run sweep=depth system=megatrain '+sweep.variants={pure_streaming:{gpu_resident:"0"}}' \
         'only=[*L4__*,*L14__*,*L28__*,*L56__*,*L8__*,*L42__*]' shared_init=false steps=2 warmup_steps=1 timeout_s=90
+    run sweep=tokens system=zero3 'only=[*b8__*,*b158__*,*b32__*]' shared_init=false steps=2 warmup_steps=1 \
+        timeout_s=120
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
 say "done"
-tar czf "$OUT/$phase.tgz" results "$OUT/engine" 2>/dev/null || tar czf "$OUT/$phase.tgz" results
+tar czf "$OUT/$phase.tgz" --exclude=.init_cache results "$OUT/engine" 2>/dev/null \
+  || tar czf "$OUT/$phase.tgz" --exclude=.init_cache results
 ls -la "$OUT" >>"$log"
