@@ -12,7 +12,7 @@ import pandas as pd
 
 from .schema import fill_x_from_point
 from .style import *  # noqa: F403
-from .style import (_fail_handle, _finish, _legend, _line_panel, _log2_ticks, _mark_failures,  # noqa: F401
+from .style import (_fail_handle, _finish, _legend, _line_panel, _log2_ticks, _mark_failures, _series_key,  # noqa: F401,E501
                     _mfu_axis, _new_figure, _ordered_systems, _pyplot, _safe_max, _set_band_ylim, _style)
 
 
@@ -106,13 +106,18 @@ def _host_memory_panel(ax, df, xcol, *, show_12=True, show_lines=True):
     systems = _ordered_systems(df)
     ymax = [float(ok["host_peak_rss_gib"].max()) if not ok.empty else 1.0]
     ymin = [float(ok["host_peak_rss_gib"].min()) if not ok.empty else 1.0]
+    keys = ok.apply(_series_key, axis=1) if not ok.empty else pd.Series(dtype=str)
+    for key in dict.fromkeys(keys):  # one measured line per system and variant (variants dashed)
+        s, _, variant = key.partition(":")
+        label, color, marker = _style(s, df)
+        part = ok[keys == key].sort_values(xcol)
+        ax.plot(part[xcol], part["host_peak_rss_gib"], marker=marker, color=color, lw=1.8, ms=6,
+                ls="--" if variant else "-", zorder=3,
+                label=f"{system_label(s, df, short=True)}{f' ({variant})' if variant else ''}: peak RSS (measured)")
     for s in systems:
         label, color, marker = _style(s, df)
-        part = ok[ok["system"] == s].sort_values(xcol)
-        if not part.empty:
-            ax.plot(part[xcol], part["host_peak_rss_gib"], marker=marker, color=color, lw=1.8, ms=6,
-                    label=f"{system_label(s, df, short=True)}: peak RSS (measured)", zorder=3)
-        est = df[(df["system"] == s) & df["host_estimate_gib"].notna()].sort_values(xcol)
+        est = df[(df["system"] == s) & df["host_estimate_gib"].notna()
+                 & df["variant"].isin(["default", "full", ""])].sort_values(xcol)
         if not est.empty:
             ax.plot(est[xcol], est["host_estimate_gib"], marker=marker, mfc="white", color=color, lw=1,
                     ls=":", ms=7, label=f"{system_label(s, df, short=True)}: engine estimate",
@@ -205,22 +210,30 @@ def _paper_curve(ax, sweep: str) -> list[float]:
     return xs
 
 
-def _throughput_pair(df, xcol, sweep: str = ""):
-    """Two panels; the left one: throughput over ``xcol`` (the paper's curve beside ours) with an MFU axis
-    and the legend."""
-    fig, (ax1, ax2) = _new_figure(ncols=2, width=11.5, height=5.0)
+def _throughput_pair(df, xcol, sweep: str = "", ratios: tuple = (1, 1)):
+    """One panel per entry of ``ratios`` (their relative widths); the left one: throughput over ``xcol``
+    (the paper's curve beside ours) with an MFU axis and the legend. Returns the figure and the axes."""
+    fig, axes = _new_figure(ncols=len(ratios), width=5.75 * sum(ratios), height=5.0,
+                            gridspec_kw={"width_ratios": list(ratios)})
+    ax1 = axes[0]
     _line_panel(ax1, df, xcol, "tflops", "training throughput (TFLOPS)")
     ax1.paper_xs = _paper_curve(ax1, sweep)
     _mfu_axis(ax1, df)
     _legend(ax1, [_fail_handle()], fontsize=7.5)
-    return fig, ax1, ax2
+    return (fig, *axes)
 
 
 def fig_depth(df, out, formats):
-    fig, ax1, ax2 = _throughput_pair(df, "num_layers", "depth")
+    """Throughput, GPU memory (the paper's point: flat with depth when every layer streams) and host memory
+    per depth; variants (e.g. pure_streaming) are dashed series of their own."""
+    fig, ax1, ax_gpu, ax2 = _throughput_pair(df, "num_layers", "depth", ratios=(1, 0.75, 1.4))
+    _line_panel(ax_gpu, df, "num_layers", "gpu_peak_allocated_gib",
+                "GPU peak allocated (GiB)", band=False)
+    ax_gpu.set_ylim(0, max(ax_gpu.get_ylim()[1], 1.0) * 1.12)
+    _legend(ax_gpu, fontsize=7, ncol=1)
     _host_memory_panel(ax2, df, "num_layers")
     _legend(ax2, fontsize=7)
-    for ax in (ax1, ax2):
+    for ax in (ax1, ax_gpu, ax2):
         _layer_ticks(ax, df)
         ax.set_xlabel("number of layers (model size; log2 scale)")
     h = ", ".join(str(int(v)) for v in df["hidden_size"].dropna().unique()[:2])
@@ -278,6 +291,7 @@ def fig_tokens(df, out, formats):
     fig, (ax,) = _new_figure(width=7.8, height=5.0)
     info = _line_panel(ax, df, "tokens_per_step", "tflops", "training throughput (TFLOPS)")
     ok = info["ok"]
+    drawn = 0  # annotations stacked downwards: two systems often share a knee
     for s in info["systems"]:
         part = ok[ok["system"] == s].sort_values("tokens_per_step")
         if part.empty:
@@ -288,8 +302,10 @@ def fig_tokens(df, out, formats):
         ax.plot([knee["tokens_per_step"]], [knee["tflops"]], marker="*", ms=17, color=color, mec="black",
                 mew=0.8, ls="none", zorder=6)
         ax.annotate(f"knee: {fmt_tokens(knee['tokens_per_step'])} tokens\n(≥90% of max {mx:.0f})",
-                    (knee["tokens_per_step"], knee["tflops"]), xytext=(10, -22), textcoords="offset points",
-                    fontsize=7.5, color=color, arrowprops=dict(arrowstyle="-", color=color, lw=0.6))
+                    (knee["tokens_per_step"], knee["tflops"]), xytext=(10, -22 - 26 * drawn),
+                    textcoords="offset points", fontsize=7.5, color=color,
+                    arrowprops=dict(arrowstyle="-", color=color, lw=0.6))
+        drawn += 1
     _log2_ticks(ax, fill_x_from_point(df, "tokens_per_step"))
     ax.set_xlabel("tokens per optimizer step (batch × seq len, log2 scale)")
     _mfu_axis(ax, df)
@@ -385,7 +401,7 @@ def fig_ablation(df, out, formats):
     setups = list(dict.fromkeys(df["_setup"]))
     variants = list(dict.fromkeys(df["variant"]))
     variants = [v for v in variants if v == "full"] + [v for v in variants if v != "full"]
-    fig, (ax,) = _new_figure(width=max(7.5, 1.25 * len(variants) * len(setups) + 2.5), height=5.2)
+    fig, (ax,) = _new_figure(width=min(16.0, max(7.5, 0.7 * len(variants) * len(setups) + 2.5)), height=5.4)
     top = _safe_max(df.loc[df["status"] == "ok", "tflops"])
     width = 0.8 / max(len(setups), 1)
     for j, setup in enumerate(setups):
@@ -408,7 +424,8 @@ def fig_ablation(df, out, formats):
                 txt = f"{val:.1f}"
                 if full_v and v != "full":
                     txt += f"\n{(val / full_v - 1) * 100:+.1f}%"
-                ax.annotate(txt, (x, val), xytext=(0, 3), textcoords="offset points", ha="center", fontsize=8)
+                ax.annotate(txt, (x, val), xytext=(0, 3), textcoords="offset points", ha="center",
+                            fontsize=8 if len(setups) < 3 else 6.5)
             else:
                 _bar_fail(ax, x, top, r["status"], color)
     ax.set_xticks(range(len(variants)))
@@ -418,7 +435,7 @@ def fig_ablation(df, out, formats):
     ax.set_ylabel("training throughput (TFLOPS)")
     ax.set_xlabel("MegaTrain variant (one optimisation switched off); % = difference to full")
     if len(setups) > 1:
-        _legend(ax)
+        _legend(ax, ncol=min(3, len(setups)))
     else:
         ax.set_title(setups[0] if setups else "", fontsize=9.5)
     return _finish(fig, df, "Ablation: MegaTrain optimisations", FORMULA_NOTE, out, "ablation", formats)
