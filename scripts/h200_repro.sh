@@ -18,11 +18,14 @@
 #   engine    GPU tests of the gradient placement; hardware: MegaTrain 7B/14B/32B on the emulated GPUs again
 #             (grad_placement=auto), ZeRO-3/Gemini 14B/32B memory verdicts; ablation: 7B pure streaming
 #             full vs grads_on_host, 14B tiered full / grads_on_host / no_double_buffer / no_opt_overlap
-#   baselines size: every system at 3B and 7B; hardware: ZeRO-3 / Gemini 7B on the emulated A100
+#   baselines size: every system at 7B (baselines share one 30 GB init folder in $MEGATRAIN_CACHE);
+#             hardware: ZeRO-3 / Gemini 7B on the emulated A100
+#   baselines3b  size/width: the 72B/120B/4x/5x verdicts again (skip rows, with the gradient placement);
+#             size: every system at 3B; tokens: ZeRO-3 at 8K/32K/158K
 #   tokens    tokens sweep (3B, 8K..158K tokens per step: MegaTrain, all-on-GPU, ZeRO-3 at three points);
 #             depth: MegaTrain L4-L14 on the current engine, pure streaming L4..L56
 set -uo pipefail
-phase="${1:?usage: h200_repro.sh sweeps1|context|parity|engine|baselines|tokens}"
+phase="${1:?usage: h200_repro.sh sweeps1|context|parity|engine|baselines|baselines3b|tokens}"
 budget="${PHASE_BUDGET_S:-540}"
 : "${OUT:?set OUT}"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True MEGATRAIN_SITE=/tmp/site WHEELHOUSE_SKIP=megatrain
@@ -94,9 +97,16 @@ case "$phase" in
         warmup_steps=1 timeout_s=120
     ;;
   baselines)
-    run sweep=size 'only=[*qwen2.5-7b*,*qwen2.5-3b*]' shared_init=false steps=2 warmup_steps=1 timeout_s=150
-    run sweep=hardware 'sweep.hardware=[A100-80GB]' 'sweep.systems=[zero3,gemini]' shared_init=false \
-        steps=2 warmup_steps=1 timeout_s=150
+    run sweep=size 'only=[*qwen2.5-7b*]' shared_init=true steps=2 warmup_steps=1 timeout_s=240
+    run sweep=hardware 'sweep.hardware=[A100-80GB]' 'sweep.systems=[zero3,gemini]' shared_init=true \
+        steps=2 warmup_steps=1 timeout_s=240
+    ;;
+  baselines3b)
+    run sweep=size 'only=[*72b*,*120b*]' redo=true shared_init=false
+    run sweep=width 'only=[*w4__*,*w5__*]' redo=true shared_init=false
+    run sweep=size 'only=[*qwen2.5-3b*]' shared_init=true steps=2 warmup_steps=1 timeout_s=200
+    run sweep=tokens system=zero3 'only=[*b8__*,*b158__*,*b32__*]' shared_init=true steps=2 warmup_steps=1 \
+        timeout_s=150
     ;;
   tokens)
     run sweep=tokens 'sweep.systems=[megatrain,native]' shared_init=false steps=2 warmup_steps=1 timeout_s=90
