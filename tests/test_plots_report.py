@@ -248,3 +248,39 @@ def test_labels_say_what_ran_on_a_cpu():
     gpu = schema.read_results(SAMPLE / "baselines" / "results.csv")
     assert style.system_label("native", gpu) == "All-on-GPU (no offload)"
     assert "CPU" not in style._env_line(gpu).split("·")[0]
+
+
+def test_depth_figure_has_a_gpu_memory_panel_and_keeps_variants_apart(tmp_path):
+    """The paper's depth point is GPU memory flat with depth: a panel of its own; a variant (pure
+    streaming) is a series of its own on every panel, never zig-zagged into the default's line."""
+    from experiments import figures
+    import matplotlib.axes
+
+    df = schema.read_results(SAMPLE / "depth" / "results.csv")
+    ok = df[(df["system"] == "megatrain") & (df["status"] == "ok")]
+    ps = ok.assign(variant="pure_streaming", gpu_peak_allocated_gib=7.5,
+                   host_peak_rss_gib=ok["host_peak_rss_gib"] * 1.1)
+    df = pd.concat([df, ps], ignore_index=True)
+    ylabels, lines = [], []
+    orig_label, orig_plot = matplotlib.axes.Axes.set_ylabel, matplotlib.axes.Axes.plot
+
+    def spy_label(self, text, *a, **k):
+        ylabels.append(text)
+        return orig_label(self, text, *a, **k)
+
+    def spy_plot(self, *a, **k):
+        lines.append((k.get("label") or "", list(a[1]) if len(a) > 1 and hasattr(a[1], "__iter__") else []))
+        return orig_plot(self, *a, **k)
+
+    matplotlib.axes.Axes.set_ylabel, matplotlib.axes.Axes.plot = spy_label, spy_plot
+    try:
+        figures.fig_depth(df, tmp_path, ("png",))
+    finally:
+        matplotlib.axes.Axes.set_ylabel, matplotlib.axes.Axes.plot = orig_label, orig_plot
+    assert any("GPU peak allocated" in y for y in ylabels)
+    gpu_ps = [ys for label, ys in lines if label.endswith("(pure_streaming)") and ys and set(ys) == {7.5}]
+    assert gpu_ps, "pure streaming drawn as its own GPU-memory series"
+    host_ps = [ys for label, ys in lines if "(pure_streaming): peak RSS" in label]
+    host_default = [ys for label, ys in lines if label.startswith("MegaTrain: peak RSS")]
+    assert len(host_ps) == 1 and len(host_default) == 1
+    assert len(host_default[0]) == len(ok) and len(host_ps[0]) == len(ok)  # not one line through both
