@@ -33,6 +33,7 @@ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True MEGATRAIN_SITE=/tmp/site
 export MEGATRAIN_CACHE="${MEGATRAIN_CACHE:-/tmp/init_cache}"
 mkdir -p "$OUT/engine"
 log="$OUT/$phase.log"
+stamp="/tmp/h200_repro_$phase.start"; touch "$stamp"  # CSVs newer than this were written by this phase
 t0=$(date +%s)
 say() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$log"; }
 
@@ -119,6 +120,11 @@ case "$phase" in
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
 say "done"
+# The rows first, as plain files (at most 8 files come back; a tarball that grows too big must not take the
+# rows with it), then everything (point folders, engine benchmarks) in one tarball.
+for f in $(find results -newer "$stamp" -name results.csv -not -path '*/.init_cache/*' | head -5); do
+  cp "$f" "$OUT/$(basename "$(dirname "$f")")_results.csv"
+done
 tar czf "$OUT/$phase.tgz" --exclude=.init_cache results "$OUT/engine" 2>/dev/null \
   || tar czf "$OUT/$phase.tgz" --exclude=.init_cache results
 ls -la "$OUT" >>"$log"
