@@ -37,8 +37,10 @@ def gpu_working_set(*, num_layers: int, hidden: int, ffn: int, vocab: int, micro
                     kv_hidden: int | None = None) -> dict[str, int]:
     """Activation bytes on the GPU, by part (see module doc).
 
-    ``mlp_chunk_tokens``: as EngineConfig.mlp_chunk_tokens (-1 never, 0 auto, N tokens), resolved for t as
-    the engine resolves it. ``boundaries_on_gpu``: None keeps every boundary on the GPU
+    ``mlp_chunk_tokens``: -1 never, 0 auto, N tokens, resolved for t by megatrain.chunked_mlp.resolve_chunk
+    (0: the threshold rule). The placement plan passes the value it decided (-1 where "auto" fits
+    unchunked, megatrain/placement.py) and the engine runs the plan's resolved value, so the prediction is
+    made for what runs. ``boundaries_on_gpu``: None keeps every boundary on the GPU
     (boundary_offload="gpu"); g >= 0 keeps g of them there and offloads the rest (0: "host")."""
     t, c, m, h = tokens_per_micro_batch, compute_bytes, micro_batches, hidden
     kv = h if kv_hidden is None else kv_hidden
@@ -80,7 +82,12 @@ def choose_block(*, gpu_bytes: int, host_bytes: int, num_layers: int, hidden: in
     GPU memory for the working set plus the boundaries kept there, ``host_bytes`` of host memory for the
     ones offloaded. Returns (K, boundaries kept on the GPU), or None when no K fits. A larger K trades
     boundaries (fewer, n = ceil(L/K)) for a larger block recompute (K layers' attention terms).
-    ``shape``: the rest of gpu_working_set's keyword arguments (ffn, vocab, loss_chunk_tokens, ...)."""
+    ``shape``: the rest of gpu_working_set's keyword arguments (ffn, vocab, loss_chunk_tokens, ...).
+
+    Not used by the engine or the placement plan (they take K from EngineConfig.checkpoint_interval): a
+    what-if tool. Its ``mlp_chunk_tokens`` follows the threshold rule for 0 ("auto") and does not re-decide
+    it per K as the plan would; to size the step the engine will run, pass the plan's resolved value
+    (Placement.mlp_chunk_tokens)."""
     common = dict(num_layers=num_layers, hidden=hidden, micro_batches=micro_batches,
                   tokens_per_micro_batch=tokens_per_micro_batch, compute_bytes=compute_bytes)
     per = tokens_per_micro_batch * hidden * compute_bytes

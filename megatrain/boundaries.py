@@ -14,7 +14,8 @@ with ``take`` (blocks in reverse order, micro-batches in order within a block). 
 ``make_boundaries`` picks one per step (EngineConfig.boundary_offload):
   "gpu"  -> GpuBoundaries;  "host" -> HostBoundaries offloading every boundary;
   "auto" -> on CUDA: budget = free GPU memory (driver free + cached-but-unused) - the rest of the step's
-            activation working set (megatrain.activations, boundaries excluded) - gpu_margin_gib. If every
+            activation working set (megatrain.activations, boundaries excluded, sized with the MLP chunk the
+            step runs: the plan's resolved mlp_chunk_tokens) - gpu_margin_gib. If every
             boundary fits in it, GpuBoundaries; else HostBoundaries keeping as many (the last ones) on the
             GPU as fit in the budget less two in flight, offloading the rest. On CPU the "GPU" is host RAM:
             GpuBoundaries.
@@ -169,9 +170,10 @@ class HostBoundaries:
 
 
 def make_boundaries(cfg, streams, *, model_config, block: int, dtype: torch.dtype, tokens: list[int],
-                    host: HostBuffers):
+                    host: HostBuffers, mlp_chunk_tokens: int | None = None):
     """The boundary store for one step (rule in the module doc). ``tokens``: tokens per micro-batch;
-    ``host``: the engine's persistent host buffers."""
+    ``host``: the engine's persistent host buffers; ``mlp_chunk_tokens``: the value the step's layers run
+    with (the engine passes the plan's resolved one), None = cfg.mlp_chunk_tokens."""
     mode, device = cfg.boundary_offload, streams.device
     per = max(tokens) * model_config.hidden_size * (torch.finfo(dtype).bits // 8)  # bytes of the largest
     total = math.ceil(model_config.num_hidden_layers / block) * len(tokens)
@@ -180,7 +182,8 @@ def make_boundaries(cfg, streams, *, model_config, block: int, dtype: torch.dtyp
         return GpuBoundaries(len(tokens))
     on_gpu = 0
     if mode == "auto":
-        budget = _gpu_budget(cfg, device, model_config, block, dtype, tokens)
+        chunk = cfg.mlp_chunk_tokens if mlp_chunk_tokens is None else mlp_chunk_tokens
+        budget = _gpu_budget(cfg, device, model_config, block, dtype, tokens, chunk)
         host.plan["gpu_budget_bytes"] = budget
         if total * per <= budget:
             return GpuBoundaries(len(tokens))
@@ -190,15 +193,19 @@ def make_boundaries(cfg, streams, *, model_config, block: int, dtype: torch.dtyp
     return HostBoundaries(streams, device, host, total, on_gpu)
 
 
-def _gpu_budget(cfg, device, model_config, block: int, dtype: torch.dtype, tokens: list[int]) -> int:
-    """GPU bytes the boundaries may use this step (see module doc)."""
+def _gpu_budget(cfg, device, model_config, block: int, dtype: torch.dtype, tokens: list[int],
+                mlp_chunk_tokens: int) -> int:
+    """GPU bytes the boundaries may use this step (see module doc). The working set is sized with the MLP
+    chunk the step's layers run with: "auto" is resolved by the plan, and the config's value would
+    under-count an unchunked step by the MLP's t x f intermediates (and so keep boundaries on a GPU that
+    cannot hold them beside it)."""
     free = memory.gpu_free_bytes(device)  # a driver query (and the process's memory fraction); no GPU wait
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # torch's cache: reusable
     parts = activations.gpu_working_set(
         num_layers=model_config.num_hidden_layers, hidden=model_config.hidden_size,
         ffn=model_config.intermediate_size, vocab=model_config.vocab_size, micro_batches=len(tokens),
         tokens_per_micro_batch=max(tokens), block=block, compute_bytes=torch.finfo(dtype).bits // 8,
-        loss_chunk_tokens=cfg.loss_chunk_tokens, mlp_chunk_tokens=cfg.mlp_chunk_tokens)
+        loss_chunk_tokens=cfg.loss_chunk_tokens, mlp_chunk_tokens=mlp_chunk_tokens)
     rest = sum(v for k, v in parts.items() if k != "boundaries")
     return int(free + cached - rest - cfg.gpu_margin_gib * 2**30)
 

@@ -14,17 +14,23 @@ accumulates in fp32 - would keep).
 Cost: the chunked part is computed once more in backward than without chunking (its forward under
 autograd saves nothing to reuse). For the MLP that is 2 * P_mlp * t extra FLOPs per layer: ~14% of a 7B
 layer's step FLOPs at 32K tokens, ~1% at 512K where attention (quadratic) dominates; hence "auto" chunks
-only above ``AUTO_MIN_TOKENS``.
+only above ``AUTO_MIN_TOKENS``, and on a GPU only where the placement plan needs it (below).
 """
 from __future__ import annotations
 
 import torch
 
-# EngineConfig.mlp_chunk_tokens = 0 ("auto"): chunk only when a micro-batch has more than AUTO_MIN_TOKENS
-# tokens, in chunks of AUTO_CHUNK_TOKENS. Below it the unchunked intermediates (7B shape, 128K tokens:
-# 4 x 128K x 18944 x 2 B = 20 GB) fit the GPU and the extra recompute and smaller GEMMs cost more than
-# they save: measured on the H200 (2026-12-01), chunking at 8K from 32K tokens took the 3B shape at
-# 64K tokens/step from ~330 to 276 TFLOPS.
+# EngineConfig.mlp_chunk_tokens = 0 ("auto"), the threshold rule: chunk only when a micro-batch has more
+# than AUTO_MIN_TOKENS tokens, in chunks of AUTO_CHUNK_TOKENS. Below it the unchunked intermediates (7B
+# shape, 128K tokens: 4 x 128K x 18944 x 2 B = 20 GB) fit the GPU and the extra recompute and smaller GEMMs
+# cost more than they save: measured on the H200 (2026-12-01), chunking at 8K from 32K tokens took the 3B
+# shape at 64K tokens/step from ~330 to 276 TFLOPS.
+# Above it the rule alone chunks whether memory needs it or not, and that costs too: on the H200 (commit
+# 34edccb) the 3B shape at 158x1024 tokens per step (one micro-batch) ran chunked at 291.6 TFLOPS with the
+# whole model on the GPU tier and ~40 GiB to spare, against 347.6 at 128K unchunked and 335.3 for plain
+# all-on-GPU PyTorch at 158x1024. So on a GPU "auto" above the threshold is the placement plan's decision
+# (megatrain/placement.py): unchunked when that plan fits and places everything as the chunked one does.
+# That rule has NOT yet been measured on a GPU. On the CPU (tests) the threshold rule stands.
 AUTO_MIN_TOKENS = 131072
 AUTO_CHUNK_TOKENS = 16384
 
@@ -33,7 +39,8 @@ def resolve_chunk(mlp_chunk_tokens: int, tokens: int) -> int:
     """Chunk size to use for ``tokens`` tokens per micro-batch; 0 = do not chunk (one chunk would hold
     every token: the unchunked path computes the same, bit for bit, and without the extra recompute).
 
-    ``mlp_chunk_tokens``: -1 never, 0 auto (see AUTO_MIN_TOKENS), N a chunk of N tokens."""
+    ``mlp_chunk_tokens``: -1 never, 0 auto (the threshold rule, see AUTO_MIN_TOKENS; the engine passes the
+    placement plan's resolved value instead), N a chunk of N tokens."""
     if mlp_chunk_tokens < 0:
         return 0
     if mlp_chunk_tokens == 0:

@@ -68,7 +68,9 @@ class EngineConfig:
     # (RoPE as the family defines it; any rope_scaling in the config is passed through unchanged).
     max_position_embeddings: int = 0
     # Tokens per chunk when recomputing/backpropagating a layer's MLP (bounds the per-layer working set
-    # at long sequence lengths). 0 = "auto" (chunk only when the sequence is long), -1 = never chunk.
+    # at long sequence lengths). 0 = "auto": never at <= 131072 tokens per micro-batch; above, on a GPU the
+    # placement plan decides (unchunked when that fits without placing less on the GPU; megatrain/placement.py),
+    # on the CPU chunks of 16384. -1 = never chunk.
     mlp_chunk_tokens: int = 0
     # Block-boundary activations: "gpu" (kept on the GPU), "host" (offloaded to pinned host memory on the
     # D2H stream, prefetched back for the backward) or "auto" (host only when the GPU cannot hold them).

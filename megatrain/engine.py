@@ -46,6 +46,7 @@ class _StepState:
     acc: dict = field(default_factory=dict)  # layer -> gradient being accumulated across micro-batches
     embed_w: torch.Tensor | None = None  # the resident embedding (the tied head reads it)
     embed_grad: torch.Tensor | None = None  # tied: the head gradient the embedding backward adds into
+    mlp_chunk: int = -1  # mlp_chunk_tokens this step's layers run with (MegaTrain._mlp_chunk), forward and recompute
 
 
 # Tokens per micro-batch the placement plan sizes activations for unless told (tokens_per_step=...).
@@ -264,10 +265,24 @@ class MegaTrain:
             order += list(range(start, min(start + self.block, self.num_layers)))
         return order
 
+    def _mlp_chunk(self, tokens: list[int]) -> int:
+        """mlp_chunk_tokens for a step with ``tokens`` per micro-batch: the plan's resolved value ("auto" is
+        the plan's decision, megatrain/placement.py), which the plan's GPU prediction was made with."""
+        if max(tokens) > self.planned_tokens_per_micro_batch:
+            # The plan checked its choice only at the tokens it was made for; unchunked may not fit with
+            # more. The config's own rule ("auto": chunk above AUTO_MIN_TOKENS) bounds memory as before.
+            return self.cfg.mlp_chunk_tokens
+        # At most the planned tokens: what the plan sized. A plan that chose chunks keeps them for a smaller
+        # step too (it was not checked unchunked there; chunking only lowers memory).
+        return self.placement.mlp_chunk_tokens
+
     def _forward(self, mbs: list[_MicroBatch], st: "_StepState"):
         embed_w = st.embed_w = self._resident_weight("embed")[0]
+        tokens = [mb.ids.numel() for mb in mbs]
+        st.mlp_chunk = self._mlp_chunk(tokens)
+        # The boundary budget leaves room for the working set of the chunk the layers will run with.
         boundaries = make_boundaries(self.cfg, self.streams, model_config=self.config, block=self.block, dtype=self.dtype,
-                                     tokens=[mb.ids.numel() for mb in mbs], host=self._boundary_host)
+                                     tokens=tokens, host=self._boundary_host, mlp_chunk_tokens=st.mlp_chunk)
         ctx = []
         with torch.no_grad():
             hidden = [F.embedding(mb.ids, embed_w) for mb in mbs]
@@ -283,7 +298,7 @@ class MegaTrain:
                 for b in range(len(mbs)):
                     masks, pos, pos_emb = ctx[b]
                     hidden[b] = arch.run_layer(layer, hidden[b], masks[self.kinds[i]], pos, pos_emb,
-                                               self.cfg.mlp_chunk_tokens)
+                                               st.mlp_chunk)
                 self.pool.release(slot)
         return hidden, boundaries, ctx
 
@@ -321,7 +336,7 @@ class MegaTrain:
                     for i, slot in zip(layers, slots):
                         x_in = x.detach().requires_grad_(True)
                         x = arch.run_layer(slot.template(self.kinds[i]), x_in, masks[self.kinds[i]], pos, pos_emb,
-                                           self.cfg.mlp_chunk_tokens)
+                                           st.mlp_chunk)
                         inputs.append(x_in)
                         outputs.append(x)
                 grad = d_hidden[b]
@@ -471,7 +486,7 @@ class MegaTrain:
                                    "host_bytes_per_param": (host_estimate / plan.params_on("host")) if plan.params_on("host") else None,
                                    "gpu_estimate_bytes": sum(plan.gpu_parts.values()),
                                    "gpu_resident_layers": plan.gpu_layers, "gpu_tier": plan.gpu_names,
-                                   "grad_placement": plan.grads,
+                                   "grad_placement": plan.grads, "mlp_chunk_tokens": plan.mlp_chunk_tokens,
                                    "skipped_steps": self.skipped_steps,
                                    "pool_slots": self.num_pool_slots, "h2d_loads": self.pool.loads})
         if self.device.type == "cuda":

@@ -15,6 +15,12 @@ their gradients arrive last (the backward runs L-1 .. 0, the embedding gradient 
 so those are the host updates that would otherwise be exposed; the head's gradient arrives first and its
 host update hides behind the whole backward. ``gpu_resident``: "auto" fills the GPU in that order;
 N puts the embedding and layers 0..N-1 there (and the head when N = L); "0" is pure streaming.
+
+MLP chunking (``mlp_chunk_tokens`` = 0, "auto", see megatrain/chunked_mlp.py) is decided here too: where
+the threshold rule would chunk a micro-batch, the GPU is planned both ways and the unchunked plan is kept
+when it fits and places everything as the chunked one does (same tiers, same gradient placement, same
+block boundaries on the GPU). Chunking costs one more MLP forward per layer in the backward; it pays only
+when it changes what fits. The resolved value is ``Placement.mlp_chunk_tokens``; the engine runs it.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from . import activations
+from .chunked_mlp import AUTO_MIN_TOKENS, resolve_chunk
 
 GIB = 2**30
 OVERHEAD_HOST_BYTES = int(1.5 * GIB)  # Python, torch, CUDA context on the host (measured order)
@@ -62,6 +69,9 @@ class Placement:
     setting: str = ""
     grads: str = "gpu"  # where the host tier's gradients wait: "gpu" | "host" (the resolved grad_placement)
     grad_setting: str = "gpu"  # grad_placement as asked ("gpu" | "host" | "auto")
+    boundaries_on_gpu: int | None = None  # as StepShape after boundary offload: None = all on the GPU
+    mlp_chunk_tokens: int = -1  # the MLP chunk the plan sized the step for: -1 none, N tokens (never 0 = auto)
+    mlp_chunk_reason: str = ""  # why that chunk (summary)
 
     @property
     def gpu_names(self) -> list[str]:
@@ -98,6 +108,8 @@ class Placement:
         lines = [f"placement (gpu_resident={self.setting}, grad_placement={grads}): GPU tier: {names('gpu')} = "
                  f"{_count(self.params_on('gpu'))} params; host tier: {names('host')} = "
                  f"{_count(self.params_on('host'))} params"]
+        chunk = "none" if self.mlp_chunk_tokens < 0 else f"{self.mlp_chunk_tokens} tokens"
+        lines.append(f"  MLP chunk: {chunk} ({self.mlp_chunk_reason})")
         if self.gpu_parts:
             budget = f" of {self.gpu_budget / GIB:.1f} usable" if self.gpu_budget is not None else ""
             lines.append(f"  GPU predicted {sum(self.gpu_parts.values()) / GIB:.2f} GiB{budget} (GiB: {gib(self.gpu_parts)})")
@@ -210,21 +222,75 @@ def tiers_for_layers(names: list[str], n: int) -> dict[str, str]:
 
 def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool, gpu_free: int, host_available: int,
          gpu_margin: int, host_margin: int, tiers: dict[str, str] | None = None, grads: str = "auto") -> Placement:
-    """Decide the tiers (or check the given ``tiers``) and where the host tier's gradients wait (``grads``:
-    "gpu" | "host" | "auto", see module doc), and predict both memories. Raises MemoryError with the
-    numbers when the configuration fits neither; nothing has been allocated at that point."""
+    """Decide the tiers (or check the given ``tiers``), where the host tier's gradients wait (``grads``:
+    "gpu" | "host" | "auto") and, for ``shape.mlp_chunk_tokens`` = 0, whether to chunk the MLP (see module
+    doc), and predict both memories. Raises MemoryError with the numbers when the configuration fits
+    neither; nothing has been allocated at that point."""
     if grads not in ("gpu", "host", "auto"):
         raise ValueError(f"grads must be 'gpu', 'host' or 'auto', got {grads!r}")
     args = dict(setting=setting, on_gpu=on_gpu, gpu_free=gpu_free, host_available=host_available,
                 gpu_margin=gpu_margin, host_margin=host_margin, tiers=tiers)
-    placement, problems = _plan_with(numels, replace(shape, grads="gpu" if grads == "auto" else grads), **args)
-    if grads == "auto" and on_gpu and problems.get("gpu"):
-        # The gradients do not fit the GPU beside the rest: give the host tier's a host home instead.
-        placement, problems = _plan_with(numels, replace(shape, grads="host"), **args)
-    placement.grad_setting = grads
+    placement, problems = _plan_grads(numels, shape, grads, args)
+    reason = _chunk_rule(shape, placement.mlp_chunk_tokens)
+    # Only "auto" is the plan's to decide (an explicit N or -1 is the user's), only on a GPU (on the CPU
+    # both "memories" are host RAM and nothing is gained by planning twice), and only where the threshold
+    # rule chunks (below it the plan is unchunked already).
+    if shape.mlp_chunk_tokens == 0 and on_gpu and placement.mlp_chunk_tokens > 0:
+        unchunked, its_problems = _plan_grads(numels, replace(shape, mlp_chunk_tokens=-1), grads, args)
+        lost = _what_unchunked_loses(unchunked, its_problems, placement)
+        if not lost:
+            placement, problems, reason = unchunked, its_problems, "auto: fits unchunked"
+        else:
+            reason = f"auto: unchunked would {lost}"
+    placement.grad_setting, placement.mlp_chunk_reason = grads, reason
     if problems:
         raise MemoryError("model does not fit: " + "; ".join(problems.values()) + "\n" + placement.summary())
     return placement
+
+
+def _plan_grads(numels, shape, grads, args) -> tuple[Placement, dict[str, str]]:
+    """One plan for ``grads`` ("auto": "gpu", or "host" when the gradients do not fit the GPU beside the
+    rest) and ``shape``'s MLP chunk; the placement and what does not fit."""
+    placement, problems = _plan_with(numels, replace(shape, grads="gpu" if grads == "auto" else grads), **args)
+    if grads == "auto" and args["on_gpu"] and problems.get("gpu"):
+        # The gradients do not fit the GPU beside the rest: give the host tier's a host home instead.
+        placement, problems = _plan_with(numels, replace(shape, grads="host"), **args)
+    return placement, problems
+
+
+def _what_unchunked_loses(unchunked: Placement, problems: dict[str, str], chunked: Placement) -> str:
+    """Empty when the unchunked plan fits and places everything as the chunked one does; otherwise what it
+    would give up (for the summary). Chunking's extra MLP recompute is costly (H200, commit 34edccb: the 3B
+    shape ran at 291.6 TFLOPS chunked at 158x1024 tokens, 347.6 unchunked at 128K), but a layer, a gradient
+    or a boundary moved off the GPU costs too (PCIe traffic, exposed host updates), and weighing one against
+    the other needs measurements this plan does not have: so unchunked must be no worse on every one."""
+    if problems:
+        return "not fit (" + "; ".join(problems.values()) + ")"
+    if unchunked.tiers != chunked.tiers:
+        fewer, more = _count(unchunked.params_on("gpu")), _count(chunked.params_on("gpu"))
+        return f"put {fewer} params on the GPU tier, not {more}"
+    if unchunked.grads != chunked.grads:
+        return f"move the host tier's gradients to the {unchunked.grads}"
+    if unchunked.boundaries_on_gpu != chunked.boundaries_on_gpu:
+        return "offload more block boundaries to the host"
+    return ""
+
+
+def _chunk_rule(shape: StepShape, resolved: int) -> str:
+    """Why ``resolved`` follows from the asked value alone (the summary's reason)."""
+    asked, t = shape.mlp_chunk_tokens, shape.tokens_per_micro_batch
+    if asked < 0:
+        return "asked: never"
+    if asked > 0:
+        return "asked" if resolved > 0 else f"asked {asked}: one chunk holds all {t} tokens per micro-batch"
+    side = ">" if resolved > 0 else "<="
+    return f"auto: {side} {AUTO_MIN_TOKENS} tokens per micro-batch"
+
+
+def resolved_chunk(shape: StepShape) -> int:
+    """``shape.mlp_chunk_tokens`` resolved for its tokens per micro-batch as megatrain.arch.run_layer would
+    resolve it: -1 no chunking, N chunks of N tokens."""
+    return resolve_chunk(shape.mlp_chunk_tokens, shape.tokens_per_micro_batch) or -1
 
 
 def _plan_with(numels, shape, *, setting, on_gpu, gpu_free, host_available, gpu_margin, host_margin,
@@ -247,7 +313,8 @@ def _plan_with(numels, shape, *, setting, on_gpu, gpu_free, host_available, gpu_
     if on_gpu:
         shape = offload_boundaries_if_needed(numels, tiers, shape, gpu_budget)
     placement = Placement(tiers=dict(tiers), numels=dict(numels), setting=setting,
-                          gpu_budget=gpu_budget, host_budget=host_budget, grads=shape.grads, grad_setting=shape.grads)
+                          gpu_budget=gpu_budget, host_budget=host_budget, grads=shape.grads, grad_setting=shape.grads,
+                          boundaries_on_gpu=shape.boundaries_on_gpu, mlp_chunk_tokens=resolved_chunk(shape))
     placement.gpu_parts = _gpu_parts(numels, tiers, shape)
     placement.host_parts = host_parts_for(numels, tiers, shape)
     gpu_total, host_total = sum(placement.gpu_parts.values()), sum(placement.host_parts.values())
