@@ -226,6 +226,9 @@ def cmd_long_context(args) -> None:
     try:
         row = measure_engine(spec, "long_context", args)
         row.update(choices, boundary_plan=_LAST_PLAN.get("plan", {}))
+        # "auto" is the placement plan's decision since the plan chooses the MLP chunk (megatrain/placement.py): the
+        # value the layers ran with is the engine's, the threshold rule above is only what "auto" once meant
+        row["mlp_chunk_resolved"] = row["extra"].get("mlp_chunk_tokens", row["mlp_chunk_resolved"])
     except (torch.cuda.OutOfMemoryError, MemoryError) as exc:  # which memory ran out, and by how much
         which = "gpu" if isinstance(exc, torch.cuda.OutOfMemoryError) else "host"
         row = dict(system="megatrain[long_context]", model=spec.name, batch=args.batch, seq=args.seq,
