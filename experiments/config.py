@@ -10,7 +10,8 @@ The schemas are the engine's own dataclasses wherever the engine has one, so not
   (``model=qwen2.5-14b model.depth=8``): the presets are the one record of a model family;
 * ``sweep``  (``SweepConfig``, files ``conf/sweep/*.yaml``, package ``_global_``): which systems and
   which axis values; a sweep file may also set run-level defaults, which command-line overrides beat;
-* ``hardware`` (``HardwareConfig``): ``real`` or an emulated profile (GPU memory cap + peak TFLOPS).
+* ``hardware`` (``HardwareConfig``): ``real`` or an emulated profile (GPU memory, CPU core and host-RAM
+  caps, peak TFLOPS).
 
 Systems are described once, in ``baselines.registry.SYSTEM_RECORDS``. This module imports neither torch
 nor the engine (``megatrain.config`` and ``megatrain.system`` are torch-free dataclasses).
@@ -86,15 +87,26 @@ RUN_LEVEL_ENGINE_FIELDS = ("device", "compute_dtype", "micro_batches", "optim", 
 
 @dataclass
 class HardwareConfig:
-    """``real``: the GPU as it is (label = its short name, peak from ``PEAK_TFLOPS``). An emulated
-    profile caps GPU memory with ``torch.cuda.set_per_process_memory_fraction`` (the caching allocator
-    only; compute is still the real GPU's) and uses the profile's peak TFLOPS for MFU."""
+    """``real``: the machine as it is (label = the GPU's short name, peak from ``PEAK_TFLOPS``). An
+    emulated profile (label = its name) caps what the point process may use, each cap optional:
+
+    * ``gpu_mem_gib``: GPU memory, ``torch.cuda.set_per_process_memory_fraction`` (the caching allocator
+      only; compute is still the real GPU's);
+    * ``cpu_cores``: the point process is pinned to the first N cores of the runner's affinity set
+      (``os.sched_setaffinity``) and torch/OpenMP get N threads unless ``torch_threads`` is set;
+    * ``host_ram_gib``: the machine's total host RAM as the engine's plan and the runner's skip rule see
+      it (``megatrain.memory.available_host_bytes``): a planning cap, not an enforced limit.
+
+    The host link (PCIe) bandwidth is not emulated. MFU uses ``peak_tflops``, or the real GPU's when null
+    (a CPU-side profile computes on the real GPU)."""
 
     name: str = "real"
     gpu_mem_gib: Optional[float] = None  # cap; None = no cap
     peak_tflops: Optional[float] = None  # None = look the real GPU up in PEAK_TFLOPS
     emulated: bool = False
     gpus: Optional[int] = None  # GPUs of the node used data-parallel (None: the run-level ``gpus``)
+    cpu_cores: Optional[int] = None  # cores the point process may run on; None = all of the runner's
+    host_ram_gib: Optional[float] = None  # emulated total host RAM (GiB); None = the real RAM
     description: str = ""
 
 
@@ -158,8 +170,8 @@ class RunConfig:
     shared_init: bool = True
     device: str = "auto"  # auto: cuda if available else cpu
     # CPU threads of torch in the point process (OMP_NUM_THREADS + torch.set_num_threads); None = torch's
-    # default. The smoke sweep uses 1: on 2 cores, OpenMP workers spinning against the systems' sampler
-    # threads made tiny steps ~50x slower.
+    # default, or the hardware profile's cpu_cores when it has one. The smoke sweep uses 1: on 2 cores,
+    # OpenMP workers spinning against the systems' sampler threads made tiny steps ~50x slower.
     torch_threads: Optional[int] = None
     dtype: str = "auto"  # compute dtype: auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32
     only: List[str] = field(default_factory=list)  # fnmatch patterns on point ids; empty = all points

@@ -376,8 +376,8 @@ def fig_hardware(df, out, formats):
                 _fail_handle()]
     handles[-1].set_label("× failed / not run (reason above the mark)")
 
-    note = (FORMULA_NOTE + "\nEmulated profiles run on the H200 with the GPU memory capped to the profile's size "
-            "(and host-link limits where configured); compute is still the H200's, so absolute TFLOPS overstate "
+    note = (FORMULA_NOTE + "\nEmulated profiles run on the H200 with the GPU memory capped to the profile's size; "
+            "compute and the host link (never emulated) are still the H200's, so absolute TFLOPS overstate "
             "the real card.")
     return _finish(fig, df, "Throughput per hardware profile", note, out, "hardware", formats,
                    fig_legend=(handles, min(len(handles), 4)))

@@ -163,7 +163,7 @@ def to_row(job: Job, result: dict, env: dict) -> dict:
     ok = result.get("status") == "ok"
     hw = job.hardware
     info = result.get("system_info") or {}
-    settings = info.get("settings")
+    settings = {**(info.get("settings") or {}), **_host_settings(result)}
     return dict(
         sweep=job.sweep, point=job.id, system=job.system, variant=job.variant,
         status=result.get("status", "error"), error=result.get("error", ""), model=job.model,
@@ -185,10 +185,19 @@ def to_row(job: Job, result: dict, env: dict) -> dict:
         gpu_name=result.get("gpu_name") or env.get("gpu_name", ""), driver=env.get("driver", ""),
         torch_version=env.get("torch_version", ""), transformers_version=env.get("transformers_version", ""),
         deepspeed_version=env.get("deepspeed_version", ""), git_sha=env.get("git_sha", ""),
-        host_ram_gib=env.get("host_ram_gib"), date=_now(),
+        # a host-capped profile's row describes the emulated machine: its RAM is the cap the skip rule and
+        # the engine's plan used (the node's own total stays in runs.jsonl's env)
+        host_ram_gib=hw.get("host_ram_gib") or env.get("host_ram_gib"), date=_now(),
         duration_s=result.get("duration_s"), optimizer=info.get("optimizer", ""),
         settings=json.dumps(settings, sort_keys=True, separators=(",", ":"), default=str) if settings else "",
     )
+
+
+def _host_settings(result: dict) -> dict:
+    """The point process's CPU side that matters for speed, for the row's ``settings``: the cores it
+    could run on (``cpu_cores``, a profile's cap or the whole affinity set) and torch's threads. Kept in
+    ``settings`` rather than new columns so the committed CSVs (the current header) stay appendable."""
+    return {k: result[k] for k in ("cpu_cores", "torch_threads") if result.get(k) is not None}
 
 
 def _now() -> str:

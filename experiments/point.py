@@ -30,6 +30,7 @@ from pathlib import Path
 from baselines.oom import failure_status
 from megatrain.system import step_flops
 
+from . import emulation
 from .cache import _digest, ensure_init_dir
 from .schema import sanitize
 from .sweeps import Job
@@ -204,8 +205,22 @@ def progress_line(i: int, rec: dict, job: Job) -> str:
             f"time {dt:.3f}s {speed} rss {rec['host_rss_gib']:.2f} GiB")
 
 
-def train(job: Job) -> int:
-    """Body of the point process. Always writes result.json; exit status 0 only for ok."""
+def _log_emulation(job: Job, applied: dict, threads: int, log) -> None:
+    """One line saying what a CPU-side profile changed (nothing for the real machine)."""
+    if not (job.hardware.get("cpu_cores") or applied.get("host_ram_cap_gib")):
+        return
+    parts = []
+    if job.hardware.get("cpu_cores"):
+        parts.append(f"pinned to {applied['cpu_cores']} CPU core(s) {applied.get('cpu_affinity')}, "
+                     f"{threads} torch thread(s)")
+    if applied.get("host_ram_cap_gib"):
+        parts.append(f"host RAM planned as {applied['host_ram_cap_gib']:g} GiB (planning cap, not enforced)")
+    log(f"[point] emulating {job.hardware['label']}: {'; '.join(parts)}")
+
+
+def train(job: Job, applied: dict | None = None) -> int:
+    """Body of the point process. Always writes result.json; exit status 0 only for ok. ``applied``: the
+    CPU-side caps ``emulation.apply`` put in force (recorded in result.json)."""
     from tqdm import tqdm
 
     from baselines.monitor import Monitor
@@ -213,7 +228,7 @@ def train(job: Job) -> int:
     pdir = Path(job.point_dir)
     pdir.mkdir(parents=True, exist_ok=True)
     log = lambda msg: print(msg, flush=True)  # noqa: E731
-    result: dict = {"point": job.id, "status": "error", "error": "", "pid": os.getpid()}
+    result: dict = {"point": job.id, "status": "error", "error": "", "pid": os.getpid(), **(applied or {})}
     t_start = time.time()
     records: list[dict] = []
     system = mon = None
@@ -228,6 +243,8 @@ def train(job: Job) -> int:
 
         if job.torch_threads:
             torch.set_num_threads(int(job.torch_threads))
+        result["torch_threads"] = torch.get_num_threads()  # what the engine's host AdamW sizes itself from
+        _log_emulation(job, applied or {}, result["torch_threads"], log)
 
         log(f"[point] {job.id}: {job.system} ({job.variant}) on {job.device}, model {job.model} "
             f"{job.num_params / 1e9:.3f}B params, batch {job.batch_size} x seq {job.seq_len}, "
@@ -332,14 +349,16 @@ def main(argv=None) -> int:
     ap.add_argument("--init", action="store_true", help="only write the model's initial weights into the cache")
     args = ap.parse_args(argv)
     job = Job.load(args.job_json)
-    if args.init:
+    if args.init:  # a cache fill shared by every profile, not measured: no emulation
         return init_main(job)
+    # first, before torch is imported: its thread pools must start inside the emulated cores
+    applied = emulation.apply(job.hardware)
     if _world() == 1:
-        return train(job)
-    return train_rank(job)
+        return train(job, applied)
+    return train_rank(job, applied)
 
 
-def train_rank(job: Job) -> int:
+def train_rank(job: Job, applied: dict | None = None) -> int:
     """One rank of a data-parallel point (under torchrun, ``gpus`` > 1): its own GPU and share of the
     threads, its own batch of ``batch_size`` rows; rank 0 writes the point's files."""
     import dataclasses
@@ -358,7 +377,7 @@ def train_rank(job: Job) -> int:
     try:
         if _rank() != 0:  # the other ranks train the same steps but write nothing
             job = dataclasses.replace(job, point_dir=str(Path(job.point_dir) / f".rank{_rank()}"))
-        return train(job)
+        return train(job, applied)
     finally:
         try:
             tdist.barrier()  # nobody tears the group down while a peer still uses it
@@ -367,9 +386,11 @@ def train_rank(job: Job) -> int:
 
 
 def psutil_cores() -> int:
+    """Physical cores this process may use: the machine's physical count, but no more than its affinity
+    set (a cpu_cores profile, taskset, a cpuset), which os.cpu_count() and psutil know nothing of."""
     import psutil
 
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    return max(1, min(psutil.cpu_count(logical=False) or os.cpu_count() or 1, emulation.usable_cores()))
 
 
 if __name__ == "__main__":

@@ -127,8 +127,6 @@ def run(cfg) -> dict:
     """Run the sweep described by the composed config; returns counters (also printed)."""
     from tqdm import tqdm
 
-    from megatrain.memory import available_host_bytes
-
     from . import cache as K, envinfo, launch as L, sweeps
 
     t_start = time.time()
@@ -155,14 +153,13 @@ def run(cfg) -> dict:
         est = sweeps.host_estimate(job, device, env.get("gpu_total_bytes"))
         job.host_estimate_bytes = est["total_bytes"] if est else None
     if cfg.dry_run:
-        avail = available_host_bytes()
         for job in jobs:
             prev = status.get(job.id)
             if prev in schema.DONE_STATUSES and not cfg.redo:
                 action = f"done ({prev})"
             else:
                 est = sweeps.host_estimate(job, device, env.get("gpu_total_bytes"))
-                action = sweeps.skip_reason(job, device=device, available_host=avail,
+                action = sweeps.skip_reason(job, device=device, available_host=sweeps.available_host(job),
                                             gpu_total=env.get("gpu_total_bytes"), estimate=est) or "run"
                 if est and action == "run" and not record(job.system).on_device:
                     action += f" (engine host estimate {est['total_bytes'] / GIB:.1f} GiB)"
@@ -189,7 +186,8 @@ def run(cfg) -> dict:
             counts["done_ok"] += status[job.id] == "ok"
             bar.write(f"{tag} [done]    {job.id} ({status[job.id]}; redo=true re-runs it)")
             continue
-        reason = sweeps.skip_reason(job, device=device, available_host=available_host_bytes(),
+        # the point's own view of host RAM: a host_ram_gib profile's cap, as its engine will plan with it
+        reason = sweeps.skip_reason(job, device=device, available_host=sweeps.available_host(job),
                                     gpu_total=env.get("gpu_total_bytes"),
                                     estimate=sweeps.host_estimate(job, device, env.get("gpu_total_bytes")))
         if reason:

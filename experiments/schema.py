@@ -61,7 +61,8 @@ DESCRIPTIONS: dict[str, str] = {
     "micro_batches": "gradient-accumulation micro-batches per step",
     "tokens_per_step": "T = batch_size x seq_len",
     "hardware": "GPU short name (real run), 'cpu', or the emulated profile name",
-    "emulated": "True when GPU memory was capped to emulate a smaller GPU (compute is still the real GPU's)",
+    "emulated": "True for an emulated profile: GPU memory, CPU cores and/or host RAM capped (compute is still "
+                "the real GPU's; the host link is never emulated)",
     "gpu_mem_cap_gib": "GPU memory cap of the emulated profile (GiB), empty when not capped",
     "steps": "measured steps",
     "warmup_steps": "warmup steps run before the measured ones (excluded from the statistics)",
@@ -86,11 +87,13 @@ DESCRIPTIONS: dict[str, str] = {
     "transformers_version": "transformers version",
     "deepspeed_version": "deepspeed version (empty if not installed)",
     "git_sha": "git commit of the code that ran ('+dirty' with uncommitted changes)",
-    "host_ram_gib": "total host RAM (GiB)",
+    "host_ram_gib": "total host RAM (GiB): the node's, or the emulated total of a host-RAM-capped profile "
+                    "(a planning cap, not enforced)",
     "date": "when the row was written (local time, ISO 8601)",
     "duration_s": "wall time of the point's process, start-up included",
     "optimizer": "the optimizer the system actually ran (e.g. DeepSpeedCPUAdam, torch.AdamW(fused|foreach))",
-    "settings": "the system's effective settings that matter for speed (JSON; e.g. ZeRO bucket sizes)",
+    "settings": "the system's effective settings that matter for speed (JSON; e.g. ZeRO bucket sizes), plus "
+                "the point process's cpu_cores (CPUs it could run on) and torch_threads",
 }
 
 CSV_README = """\
@@ -108,7 +111,8 @@ steps flagged), `log.txt` (the point process's stdout/stderr) and `result.json`.
   counted, so TFLOPS is useful throughput)
 * TFLOPS = step FLOPs / median step time / 1e12, over the measured steps (warmup steps excluded)
 * MFU = TFLOPS / peak_tflops (H200: 797.5, measured dense bf16; A100 312; RTX A6000 154.8; RTX 3090 142).
-  Emulated profiles cap GPU memory only: the compute is still the real GPU's, so their MFU can exceed 1.
+  Emulated profiles cap GPU memory, CPU cores or host RAM: the compute is still the real GPU's (so an
+  emulated smaller GPU's MFU can exceed 1), and the host link (PCIe) is never emulated.
 * host bytes/param = host peak RSS (process + children) / P
 
 ## Columns

@@ -15,6 +15,9 @@ point before anything runs; ``skip_reason`` applies the memory rules:
   activations) exceeds the GPU's memory (the emulated cap, or the real GPU's total); on the CPU when
   16 B/param (weights, gradients, m, v) exceed the available host RAM;
 * a system whose record says it needs a GPU, on a CPU.
+
+"Available host RAM" is the point's own view (``available_host``): under a profile's ``host_ram_gib``
+cap, the capped value the engine's plan will see in the point process.
 """
 from __future__ import annotations
 
@@ -57,7 +60,7 @@ class Job:
     seq_len: int
     batch_size: int
     micro_batches: int
-    hardware: dict  # name, label, gpu_mem_gib, peak_tflops, emulated
+    hardware: dict  # hardware_entry: name, label, gpu_mem_gib, peak_tflops, emulated, gpus, cpu_cores, host_ram_gib
     options: dict  # the system's options (variant applied); megatrain: EngineConfig fields
     activation_checkpointing: bool = True
     factory: str | None = None
@@ -120,24 +123,57 @@ def _max_gpus(system: str) -> int:
     return record(system).max_gpus
 
 
+CAP_FIELDS = ("gpu_mem_gib", "cpu_cores", "host_ram_gib")  # what makes a profile an emulation
+
+
+def profile_error(hw: dict) -> str | None:
+    """Why a hardware profile is malformed, whatever the machine (None: it is not)."""
+    name = hw.get("name", "real")
+    caps = [k for k in CAP_FIELDS if hw.get(k) is not None]
+    if caps and not hw.get("emulated"):  # a capped row labelled as the real GPU would misreport the machine
+        return (f"hardware profile {name!r} sets {', '.join(caps)} but emulated: false; a capped profile "
+                f"is an emulation (emulated: true, and its name is the CSV label)")
+    cores = hw.get("cpu_cores")
+    if cores is not None and int(cores) < 1:
+        return f"hardware profile {name!r}: cpu_cores={cores} must be >= 1 (null = all cores)"
+    for key in ("gpu_mem_gib", "host_ram_gib"):
+        if hw.get(key) is not None and float(hw[key]) <= 0:
+            return f"hardware profile {name!r}: {key}={hw[key]} must be > 0 (null = no cap)"
+    return None
+
+
 def hardware_entry(hw: dict, *, device: str, gpu_name: str) -> dict:
-    """The point's hardware: label for the CSV, cap, peak TFLOPS and the emulated flag."""
+    """The point's hardware: label for the CSV, caps, peak TFLOPS and the emulated flag. Raises
+    ``SweepError`` for a malformed profile (whether this machine has the cores is ``invalid_reason``'s)."""
     from .envinfo import short_gpu_name
 
     hw = dict(hw)
+    error = profile_error(hw)
+    if error:
+        raise SweepError(error)
+    real_peak = None if device == "cpu" else C.peak_tflops_for(gpu_name)
     if hw.get("emulated"):
         label = hw["name"]
-        peak = hw.get("peak_tflops")
+        # a profile without its own peak (CPU cores / host RAM caps) computes on the real GPU
+        peak = hw.get("peak_tflops") or real_peak
     elif device == "cpu":
         label, peak = "cpu", hw.get("peak_tflops")
     else:
         label = short_gpu_name(gpu_name) if gpu_name else "gpu"
-        peak = hw.get("peak_tflops") or C.peak_tflops_for(gpu_name)
+        peak = hw.get("peak_tflops") or real_peak
     gpus = hw.get("gpus")
     if gpus and int(gpus) > 1:  # several GPUs of the node, data parallel: its own label (and point ids)
         label = f"{label}x{int(gpus)}"
     return {"name": hw.get("name", "real"), "label": label, "gpu_mem_gib": hw.get("gpu_mem_gib"),
-            "peak_tflops": peak, "emulated": bool(hw.get("emulated", False)), "gpus": gpus}
+            "peak_tflops": peak, "emulated": bool(hw.get("emulated", False)), "gpus": gpus,
+            "cpu_cores": hw.get("cpu_cores"), "host_ram_gib": hw.get("host_ram_gib")}
+
+
+def torch_threads_for(run_level: int | None, hw: dict) -> int | None:
+    """The point's torch threads: ``torch_threads`` when given (an explicit choice wins), else the
+    profile's ``cpu_cores`` (one thread per core left to the process: more would only oversubscribe
+    them), else None (torch's default)."""
+    return run_level if run_level is not None else hw.get("cpu_cores")
 
 
 def merge_options(system: str, base: dict, overrides: dict, variant: str, run_level: dict) -> dict:
@@ -244,7 +280,8 @@ def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name
                                 if pid in seen:
                                     continue
                                 seen.add(pid)
-                                job_common = dict(common, gpus=int(hwe.get("gpus") or common["gpus"]))
+                                job_common = dict(common, gpus=int(hwe.get("gpus") or common["gpus"]),
+                                                  torch_threads=torch_threads_for(cfg.torch_threads, hwe))
                                 if hwe.get("gpus") and _max_gpus(system) < job_common["gpus"]:
                                     continue  # a several-GPU profile: only systems that can use them
                                 points.append(Job(
@@ -300,6 +337,23 @@ def _megatrain_plan(point: Job, gpu_bytes: int) -> dict:
 CUDA_CONTEXT_BYTES = 1 << 30  # the CUDA context and torch's own, not available to the plan
 
 
+def available_host(point: Job) -> int:
+    """Host RAM the point may plan with, as its own process will see it: the real available RAM, or
+    under the profile's ``host_ram_gib`` the same capped value ``megatrain.memory.available_host_bytes``
+    gives the engine (one rule on both sides, so a skip here is what the engine would refuse)."""
+    from megatrain.memory import capped_available_bytes
+
+    cap = point.hardware.get("host_ram_gib")
+    return capped_available_bytes(int(float(cap) * GIB) if cap else None)
+
+
+def _host_ram_text(point: Job, available: int) -> str:
+    """'available host RAM 95.6 GiB', naming the profile's cap when there is one."""
+    cap = point.hardware.get("host_ram_gib")
+    capped = f" (emulated {float(cap):g} GiB host, profile {point.hardware['label']})" if cap else ""
+    return f"available host RAM {available / GIB:.1f} GiB{capped}"
+
+
 def gpu_capacity_bytes(point: Job, real_total: int | None) -> int | None:
     cap = point.hardware.get("gpu_mem_gib")
     if cap:
@@ -319,7 +373,7 @@ def skip_reason(point: Job, *, device: str, available_host: int | None, gpu_tota
             need = NATIVE_CPU_BYTES_PER_PARAM * p
             if available_host is not None and need > available_host:
                 return (f"skipped: training on the CPU needs >= {NATIVE_CPU_BYTES_PER_PARAM} B/param = "
-                        f"{need / GIB:.1f} GiB > available host RAM {available_host / GIB:.1f} GiB")
+                        f"{need / GIB:.1f} GiB > {_host_ram_text(point, available_host)}")
             return None
         cap = gpu_capacity_bytes(point, gpu_total)
         need = NATIVE_BYTES_PER_PARAM * p
@@ -332,11 +386,11 @@ def skip_reason(point: Job, *, device: str, available_host: int | None, gpu_tota
     if estimate is not None and "plan" in estimate and available_host is not None \
             and estimate["total_bytes"] > available_host:
         return (f"skipped: engine plan (GPU tier filled first): host needs {estimate['total_bytes'] / GIB:.1f} GiB "
-                f"({p / 1e9:.2f}B params) > available host RAM {available_host / GIB:.1f} GiB")
+                f"({p / 1e9:.2f}B params) > {_host_ram_text(point, available_host)}")
     if estimate is not None and available_host is not None and estimate["total_bytes"] > available_host:
         return (f"skipped: engine host estimate {estimate['total_bytes'] / GIB:.1f} GiB "
-                f"({estimate['bytes_per_param']:.2f} B/param x {p / 1e9:.2f}B params) > available host RAM "
-                f"{available_host / GIB:.1f} GiB")
+                f"({estimate['bytes_per_param']:.2f} B/param x {p / 1e9:.2f}B params) > "
+                f"{_host_ram_text(point, available_host)}")
     return None
 
 
@@ -357,6 +411,11 @@ def invalid_reason(job: Job) -> str | None:
     max_gpus = rec.max_gpus if rec else 1
     if job.gpus > max_gpus:
         return f"gpus={job.gpus}: {job.system} runs on at most {max_gpus} GPU(s) per node in this harness"
+    from .emulation import cores_error
+
+    cores = cores_error(job.hardware.get("cpu_cores"))  # this machine (the runner's affinity set)
+    if cores:
+        return f"hardware {job.hardware['label']}: {cores}"
     return None
 
 

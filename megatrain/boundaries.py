@@ -212,14 +212,13 @@ def _gpu_budget(cfg, device, model_config, block: int, dtype: torch.dtype, token
 
 def _check_host_room(cfg, model_config, block, dtype, tokens, on_gpu: int, host: HostBuffers) -> None:
     """Refuse before the forward allocates pinned buffers the host cannot give (numbers in the error)."""
-    import psutil
-
     need = activations.host_boundary_bytes(
         num_layers=model_config.num_hidden_layers, hidden=model_config.hidden_size, micro_batches=len(tokens),
         tokens_per_micro_batch=max(tokens), block=block, compute_bytes=torch.finfo(dtype).bits // 8,
         boundaries_on_gpu=on_gpu)
     new = max(0, need - host.nbytes())
-    avail = psutil.virtual_memory().available - cfg.host_margin_gib * 2**30
+    # memory.available_host_bytes, not psutil directly: an emulated host-RAM cap must hold here too
+    avail = memory.available_host_bytes() - cfg.host_margin_gib * 2**30
     if new > avail:
         raise MemoryError(f"offloaded block boundaries need {need / 2**30:.1f} GiB of host memory "
                           f"({new / 2**30:.1f} GiB new) but only {max(avail, 0) / 2**30:.1f} GiB is available after "

@@ -12,6 +12,7 @@ count.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import fields
 
 import psutil
@@ -20,11 +21,45 @@ from . import placement
 from .placement import OVERHEAD_HOST_BYTES
 
 SLAB_BYTES = (1 << 24) * 4  # megatrain.grad_offload.CHUNK_ELEMS fp32 elements per slab
+# The emulated machine's total host RAM in GiB (the sweep runner's host_ram_gib profiles set it in the point
+# process); unset or empty: the real machine.
+HOST_RAM_ENV = "MEGATRAIN_HOST_RAM_GIB"
+
+
+def host_ram_cap_bytes() -> int | None:
+    """The host-RAM cap from ``$MEGATRAIN_HOST_RAM_GIB`` in bytes, None when unset or empty."""
+    value = os.environ.get(HOST_RAM_ENV, "").strip()
+    if not value:
+        return None
+    gib = float(value)  # a typo raises here: it must not silently mean "no cap"
+    if gib <= 0:
+        raise ValueError(f"{HOST_RAM_ENV}={value!r}: the emulated host RAM must be > 0 GiB")
+    return int(gib * 2**30)
+
+
+def capped_available_bytes(cap_bytes: int | None) -> int:
+    """RAM this process may still allocate on a machine whose total RAM is ``cap_bytes`` (None: the real
+    machine): ``cap - this process's RSS``, never more than the real available.
+
+    Why ``cap - RSS``: the real ``available`` is the total minus everything resident, this process's own
+    pages included; on the emulated machine this process is the only tenant we account for, so its RSS is
+    what the cap already holds. The real available still bounds it (a cap above the machine's free RAM
+    must not promise memory that is not there)."""
+    real = int(psutil.virtual_memory().available)
+    if cap_bytes is None:
+        return real
+    return max(0, min(real, int(cap_bytes) - psutil.Process().memory_info().rss))
 
 
 def available_host_bytes() -> int:
-    """RAM that can be allocated now (psutil's ``available``: free + reclaimable cache)."""
-    return int(psutil.virtual_memory().available)
+    """RAM that can be allocated now: psutil's ``available`` (free + reclaimable cache), or, when
+    ``$MEGATRAIN_HOST_RAM_GIB`` is set, what is left of that emulated total (``capped_available_bytes``).
+
+    The cap is a *planning* cap: the placement plan (and the sweep runner's skip rule, which uses the same
+    rule) refuses what would not fit before anything is allocated; nothing stops an allocation beyond it.
+    An enforced limit (RLIMIT_AS) is not used because CUDA reserves far more virtual address space than
+    it touches, so any such limit breaks CUDA initialisation long before RAM runs out."""
+    return capped_available_bytes(host_ram_cap_bytes())
 
 
 def estimate_bytes(layer_numels: list[int], other_numel: int, *, grad_slabs: int, bf16_shadow: bool,

@@ -24,8 +24,9 @@
 #             size: every system at 3B; tokens: ZeRO-3 at 8K/32K/158K
 #   tokens    tokens sweep (3B, 8K..158K tokens per step: MegaTrain, all-on-GPU, ZeRO-3 at three points);
 #             depth: MegaTrain L4-L14 on the current engine, pure streaming L4..L56
+#   host_side MegaTrain 14B tiered / 7B pure streaming on emulated hosts (4 and 8 cores, 64 and 96 GiB RAM)
 set -uo pipefail
-phase="${1:?usage: h200_repro.sh sweeps1|context|parity|engine|baselines|baselines3b|tokens}"
+phase="${1:?usage: h200_repro.sh sweeps1|context|parity|engine|baselines|baselines3b|tokens|host_side}"
 budget="${PHASE_BUDGET_S:-540}"
 : "${OUT:?set OUT}"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True MEGATRAIN_SITE=/tmp/site WHEELHOUSE_SKIP=megatrain
@@ -116,6 +117,11 @@ case "$phase" in
         'only=[*L4__*,*L14__*,*L28__*,*L56__*,*L8__*,*L42__*]' shared_init=false steps=2 warmup_steps=1 timeout_s=90
     run sweep=tokens system=zero3 'only=[*b8__*,*b158__*,*b32__*]' shared_init=false steps=2 warmup_steps=1 \
         timeout_s=120
+    ;;
+  host_side)
+    # the sweep file pairs the shapes (only=...) and sets shared_init=false; the real host runs first, so the
+    # host AdamW extension is compiled on all 16 cores, not inside a cores-4 point
+    run sweep=host_side timeout_s=240
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -17,7 +17,7 @@ from experiments import sweeps  # noqa: E402
 
 CONF = ROOT / "experiments" / "conf"
 SWEEPS = ("smoke", "baselines", "size", "depth", "width", "context", "hardware", "ablation", "tokens",
-          "baselines_tune")
+          "baselines_tune", "host_side")
 GIB = 2**30
 
 
@@ -95,6 +95,75 @@ def test_hardware_profiles(compose_fn):
     assert {p.system for p in pts if p.gpus == 2} == {"megatrain"}  # the others cannot use two GPUs
     _, pts = expand(compose_fn, "sweep=smoke", device="cpu", gpu_name="")
     assert {p.hardware["label"] for p in pts} == {"cpu"} and pts[0].hardware["peak_tflops"] is None
+
+
+def test_host_side_sweep_and_cpu_side_profiles(compose_fn):
+    """The host_side sweep pairs 14B tiered and 7B pure streaming with the real host and four emulated
+    ones; a cores profile gives the point as many torch threads as cores, a host profile its RAM cap."""
+    _, pts = expand(compose_fn, "sweep=host_side")
+    assert [(p.model, p.variant) for p in pts[::5]] == [("qwen2.5-14b", "tiered"), ("qwen2.5-7b", "pure_streaming")]
+    assert len(pts) == 10 and {p.system for p in pts} == {"megatrain"} and {p.batch_size for p in pts} == {16}
+    assert {p.options["gpu_resident"] for p in pts if p.variant == "tiered"} == {"auto"}
+    assert {p.options["gpu_resident"] for p in pts if p.variant == "pure_streaming"} == {"0"}
+    hw = [(p.hardware["label"], p.hardware["emulated"], p.hardware["cpu_cores"], p.hardware["host_ram_gib"],
+           p.hardware["gpu_mem_gib"], p.hardware["peak_tflops"], p.torch_threads) for p in pts[:5]]
+    assert hw == [("H200", False, None, None, None, 797.5, None),
+                  ("cores-4", True, 4, None, None, 797.5, 4),  # the real GPU's peak: it computes there
+                  ("cores-8", True, 8, None, None, 797.5, 8),
+                  ("host-64GB", True, None, 64, None, 797.5, None),
+                  ("host-96GB", True, None, 96, None, 797.5, None)]
+    assert pts[1].id == "megatrain__qwen2.5-14b__L48__w1__s1024__b16__tiered__cores-4"
+    # an explicit torch_threads wins over the profile's cores
+    _, pts = expand(compose_fn, "sweep=host_side", "torch_threads=2", "only=[*14b*tiered__cores-4]")
+    assert [p.torch_threads for p in pts] == [2]
+
+
+def test_malformed_hardware_profiles_are_refused(compose_fn):
+    base = ["sweep=smoke", "hardware.name=capped"]
+    with pytest.raises(sweeps.SweepError, match="cpu_cores=0 must be >= 1"):
+        expand(compose_fn, *base, "hardware.emulated=true", "hardware.cpu_cores=0", device="cpu", gpu_name="")
+    with pytest.raises(sweeps.SweepError, match="host_ram_gib=0.0 must be > 0"):
+        expand(compose_fn, *base, "hardware.emulated=true", "hardware.host_ram_gib=0", device="cpu", gpu_name="")
+    # a cap on a profile that calls itself real would label a capped row as the real machine
+    with pytest.raises(sweeps.SweepError, match="sets cpu_cores, host_ram_gib but emulated: false"):
+        expand(compose_fn, *base, "hardware.cpu_cores=1", "hardware.host_ram_gib=8", device="cpu", gpu_name="")
+    # more cores than this machine gives the runner: refused before anything runs (validate)
+    _, jobs = expand(compose_fn, *base, "hardware.emulated=true", "hardware.cpu_cores=100000", device="cpu",
+                     gpu_name="")
+    with pytest.raises(sweeps.SweepError, match=r"hardware capped: cpu_cores=100000 > the \d+ CPU core"):
+        sweeps.validate(jobs)
+    _, jobs = expand(compose_fn, *base, "hardware.emulated=true", "hardware.cpu_cores=1", device="cpu", gpu_name="")
+    sweeps.validate(jobs)
+    assert jobs[0].hardware["label"] == "capped" and jobs[0].torch_threads == 1  # smoke's torch_threads: 1
+
+
+def test_host_ram_profiles_skip_with_the_engine_estimate(compose_fn, monkeypatch):
+    """The skip rule of a host_ram_gib profile uses the capped RAM the point's engine will plan with: 14B
+    tiered (~100 GiB of host) is a skip row on 64 and 96 GiB; 7B pure streaming (~89 GiB) runs on 96."""
+    import types
+
+    from megatrain import memory
+
+    monkeypatch.setattr(memory.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=120 * GIB))
+    _, pts = expand(compose_fn, "sweep=host_side")
+    by = {(p.model, p.hardware["label"]): p for p in pts}
+    gpu = 141 * GIB
+
+    def reason(model, hw):
+        p = by[(model, hw)]
+        return sweeps.skip_reason(p, device="cuda", available_host=sweeps.available_host(p), gpu_total=gpu,
+                                  estimate=sweeps.host_estimate(p, "cuda", gpu))
+
+    rss = memory.psutil.Process().memory_info().rss
+    assert sweeps.available_host(by[("qwen2.5-7b", "H200")]) == 120 * GIB  # uncapped: the real available
+    assert sweeps.available_host(by[("qwen2.5-7b", "host-64GB")]) == 64 * GIB - rss
+    assert reason("qwen2.5-14b", "H200") is None
+    for hw in ("host-64GB", "host-96GB"):
+        r = reason("qwen2.5-14b", hw)
+        assert r.startswith("skipped: engine plan (GPU tier filled first): host needs 9"), r
+        assert f"(emulated {hw[5:7]} GiB host, profile {hw})" in r
+    assert "host needs 88.9 GiB" in reason("qwen2.5-7b", "host-64GB")
+    assert reason("qwen2.5-7b", "host-96GB") is None and reason("qwen2.5-7b", "cores-4") is None
 
 
 def test_ablation_variants_and_overrides(compose_fn):
