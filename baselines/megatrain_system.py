@@ -58,7 +58,11 @@ class MegaTrainSystem:
                      "gpu_resident_layers": plan.gpu_layers, "placement": plan.summary(),
                      "optimizer": (f"GPU tier: torch fused AdamW on {device}; host tier: "
                                    f"{cpu_adamw.name() if plan.host_names else 'unused'}"),
-                     "settings": {k: v for k, v in cfg.to_dict().items() if k in OPTIONS and k != "seed"}}
+                     # the measured real link and the emulated one (None: the real link, not measured)
+                     "host_link": self.engine.link.info,
+                     # host_link_gbps is the hardware profile's; the runner records it with the CPU side
+                     "settings": {k: v for k, v in cfg.to_dict().items()
+                                  if k in OPTIONS and k not in ("seed", "host_link_gbps")}}
 
     def step(self, batch) -> StepResult:
         return self.engine.step(batch)

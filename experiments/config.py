@@ -83,6 +83,8 @@ SYSTEM_SCHEMAS: dict[str, type] = {"megatrain": MegatrainSystemConfig}
 SYSTEM_OPTION_SCHEMAS: dict[str, type] = {"megatrain": EngineConfig}
 # EngineConfig fields the runner sets for every system alike (not options of one system).
 RUN_LEVEL_ENGINE_FIELDS = ("device", "compute_dtype", "micro_batches", "optim", "max_position_embeddings")
+# EngineConfig fields a hardware profile sets (``HardwareConfig`` fields of the same name), not options.
+HARDWARE_ENGINE_FIELDS = ("host_link_gbps",)
 
 
 @dataclass
@@ -95,10 +97,12 @@ class HardwareConfig:
     * ``cpu_cores``: the point process is pinned to the first N cores of the runner's affinity set
       (``os.sched_setaffinity``) and torch/OpenMP get N threads unless ``torch_threads`` is set;
     * ``host_ram_gib``: the machine's total host RAM as the engine's plan and the runner's skip rule see
-      it (``megatrain.memory.available_host_bytes``): a planning cap, not an enforced limit.
+      it (``megatrain.memory.available_host_bytes``): a planning cap, not an enforced limit;
+    * ``host_link_gbps``: the host link (host <-> GPU), GB/s each way, slower than the real one: becomes
+      MegaTrain's ``EngineConfig.host_link_gbps`` (a GPU sleep after each copy, megatrain/link.py); the other
+      systems cannot emulate it, so a profile with it has only MegaTrain points.
 
-    The host link (PCIe) bandwidth is not emulated. MFU uses ``peak_tflops``, or the real GPU's when null
-    (a CPU-side profile computes on the real GPU)."""
+    MFU uses ``peak_tflops``, or the real GPU's when null (a CPU-side profile computes on the real GPU)."""
 
     name: str = "real"
     gpu_mem_gib: Optional[float] = None  # cap; None = no cap
@@ -107,6 +111,7 @@ class HardwareConfig:
     gpus: Optional[int] = None  # GPUs of the node used data-parallel (None: the run-level ``gpus``)
     cpu_cores: Optional[int] = None  # cores the point process may run on; None = all of the runner's
     host_ram_gib: Optional[float] = None  # emulated total host RAM (GiB); None = the real RAM
+    host_link_gbps: Optional[float] = None  # emulated host link (GB/s each way, MegaTrain only); None = real
     description: str = ""
 
 

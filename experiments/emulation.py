@@ -7,8 +7,10 @@
 * ``host_ram_gib``: ``$MEGATRAIN_HOST_RAM_GIB`` is set for the engine's placement plan
   (``megatrain.memory.available_host_bytes``); a planning cap, not an enforced limit.
 
-GPU memory caps stay in ``point._cap_gpu_memory`` (they need torch and the device). The host link is not
-emulated. No torch import here: ``apply`` runs before torch is loaded.
+GPU memory caps stay in ``point._cap_gpu_memory`` (they need torch and the device). The host link
+(``host_link_gbps``) is emulated by the engine itself (``EngineConfig.host_link_gbps``, set from the profile
+by ``sweeps.expand``; megatrain/link.py); ``apply`` only records it. No torch import here: ``apply`` runs
+before torch is loaded.
 """
 from __future__ import annotations
 
@@ -55,7 +57,8 @@ def pin_cores(n: int) -> list[int]:
 
 def apply(hardware: dict) -> dict:
     """Apply the profile's CPU-side caps to this process; returns what is in force, for result.json
-    (``cpu_cores``: the CPUs the process may use, capped or not; ``host_ram_cap_gib``: the cap or None)."""
+    (``cpu_cores``: the CPUs the process may use, capped or not; ``host_ram_cap_gib``: the cap or None;
+    ``host_link_gbps``: only when the profile emulates the host link)."""
     applied: dict = {}
     cores = hardware.get("cpu_cores")
     if cores:
@@ -70,4 +73,6 @@ def apply(hardware: dict) -> dict:
         os.environ.pop(HOST_RAM_ENV, None)
     applied["cpu_cores"] = usable_cores()
     applied["host_ram_cap_gib"] = float(cap) if cap else None
+    if hardware.get("host_link_gbps"):  # applied by the engine (EngineConfig.host_link_gbps), recorded here
+        applied["host_link_gbps"] = float(hardware["host_link_gbps"])
     return applied

@@ -194,10 +194,11 @@ def to_row(job: Job, result: dict, env: dict) -> dict:
 
 
 def _host_settings(result: dict) -> dict:
-    """The point process's CPU side that matters for speed, for the row's ``settings``: the cores it
-    could run on (``cpu_cores``, a profile's cap or the whole affinity set) and torch's threads. Kept in
-    ``settings`` rather than new columns so the committed CSVs (the current header) stay appendable."""
-    return {k: result[k] for k in ("cpu_cores", "torch_threads") if result.get(k) is not None}
+    """The point process's host side that matters for speed, for the row's ``settings``: the cores it
+    could run on (``cpu_cores``, a profile's cap or the whole affinity set), torch's threads and an emulated
+    host link (``host_link_gbps``, only when the profile has one). Kept in ``settings`` rather than new
+    columns so the committed CSVs (the current header) stay appendable."""
+    return {k: result[k] for k in ("cpu_cores", "torch_threads", "host_link_gbps") if result.get(k) is not None}
 
 
 def _now() -> str:

@@ -207,7 +207,7 @@ def progress_line(i: int, rec: dict, job: Job) -> str:
 
 def _log_emulation(job: Job, applied: dict, threads: int, log) -> None:
     """One line saying what a CPU-side profile changed (nothing for the real machine)."""
-    if not (job.hardware.get("cpu_cores") or applied.get("host_ram_cap_gib")):
+    if not (job.hardware.get("cpu_cores") or applied.get("host_ram_cap_gib") or applied.get("host_link_gbps")):
         return
     parts = []
     if job.hardware.get("cpu_cores"):
@@ -215,6 +215,9 @@ def _log_emulation(job: Job, applied: dict, threads: int, log) -> None:
                      f"{threads} torch thread(s)")
     if applied.get("host_ram_cap_gib"):
         parts.append(f"host RAM planned as {applied['host_ram_cap_gib']:g} GiB (planning cap, not enforced)")
+    if applied.get("host_link_gbps"):
+        parts.append(f"host link {applied['host_link_gbps']:g} GB/s each way (a GPU sleep after each copy; "
+                     f"the real bandwidths measured at build are in result.json's system_info.host_link)")
     log(f"[point] emulating {job.hardware['label']}: {'; '.join(parts)}")
 
 

@@ -61,8 +61,8 @@ DESCRIPTIONS: dict[str, str] = {
     "micro_batches": "gradient-accumulation micro-batches per step",
     "tokens_per_step": "T = batch_size x seq_len",
     "hardware": "GPU short name (real run), 'cpu', or the emulated profile name",
-    "emulated": "True for an emulated profile: GPU memory, CPU cores and/or host RAM capped (compute is still "
-                "the real GPU's; the host link is never emulated)",
+    "emulated": "True for an emulated profile: GPU memory, CPU cores, host RAM and/or the host link capped "
+                "(compute is still the real GPU's; a slower host link is emulated only by MegaTrain)",
     "gpu_mem_cap_gib": "GPU memory cap of the emulated profile (GiB), empty when not capped",
     "steps": "measured steps",
     "warmup_steps": "warmup steps run before the measured ones (excluded from the statistics)",
@@ -111,8 +111,9 @@ steps flagged), `log.txt` (the point process's stdout/stderr) and `result.json`.
   counted, so TFLOPS is useful throughput)
 * TFLOPS = step FLOPs / median step time / 1e12, over the measured steps (warmup steps excluded)
 * MFU = TFLOPS / peak_tflops (H200: 797.5, measured dense bf16; A100 312; RTX A6000 154.8; RTX 3090 142).
-  Emulated profiles cap GPU memory, CPU cores or host RAM: the compute is still the real GPU's (so an
-  emulated smaller GPU's MFU can exceed 1), and the host link (PCIe) is never emulated.
+  Emulated profiles cap GPU memory, CPU cores, host RAM or the host link: the compute is still the real
+  GPU's (so an emulated smaller GPU's MFU can exceed 1), and only the link-* profiles (MegaTrain only)
+  slow the host link (PCIe).
 * host bytes/param = host peak RSS (process + children) / P
 
 ## Columns

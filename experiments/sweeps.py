@@ -60,7 +60,8 @@ class Job:
     seq_len: int
     batch_size: int
     micro_batches: int
-    hardware: dict  # hardware_entry: name, label, gpu_mem_gib, peak_tflops, emulated, gpus, cpu_cores, host_ram_gib
+    # hardware_entry: name, label, gpu_mem_gib, peak_tflops, emulated, gpus, cpu_cores, host_ram_gib, host_link_gbps
+    hardware: dict
     options: dict  # the system's options (variant applied); megatrain: EngineConfig fields
     activation_checkpointing: bool = True
     factory: str | None = None
@@ -123,7 +124,7 @@ def _max_gpus(system: str) -> int:
     return record(system).max_gpus
 
 
-CAP_FIELDS = ("gpu_mem_gib", "cpu_cores", "host_ram_gib")  # what makes a profile an emulation
+CAP_FIELDS = ("gpu_mem_gib", "cpu_cores", "host_ram_gib", "host_link_gbps")  # what makes a profile an emulation
 
 
 def profile_error(hw: dict) -> str | None:
@@ -136,7 +137,7 @@ def profile_error(hw: dict) -> str | None:
     cores = hw.get("cpu_cores")
     if cores is not None and int(cores) < 1:
         return f"hardware profile {name!r}: cpu_cores={cores} must be >= 1 (null = all cores)"
-    for key in ("gpu_mem_gib", "host_ram_gib"):
+    for key in ("gpu_mem_gib", "host_ram_gib", "host_link_gbps"):
         if hw.get(key) is not None and float(hw[key]) <= 0:
             return f"hardware profile {name!r}: {key}={hw[key]} must be > 0 (null = no cap)"
     return None
@@ -166,7 +167,15 @@ def hardware_entry(hw: dict, *, device: str, gpu_name: str) -> dict:
         label = f"{label}x{int(gpus)}"
     return {"name": hw.get("name", "real"), "label": label, "gpu_mem_gib": hw.get("gpu_mem_gib"),
             "peak_tflops": peak, "emulated": bool(hw.get("emulated", False)), "gpus": gpus,
-            "cpu_cores": hw.get("cpu_cores"), "host_ram_gib": hw.get("host_ram_gib")}
+            "cpu_cores": hw.get("cpu_cores"), "host_ram_gib": hw.get("host_ram_gib"),
+            "host_link_gbps": hw.get("host_link_gbps")}
+
+
+def emulates_host_link(system: str) -> bool:
+    """Whether ``system`` can run under a profile's ``host_link_gbps``: only one whose option schema has the
+    engine's field (MegaTrain); no baseline can slow its own copies."""
+    schema = C.SYSTEM_OPTION_SCHEMAS.get(system)
+    return schema is not None and any(f.name == "host_link_gbps" for f in dataclasses.fields(schema))
 
 
 def torch_threads_for(run_level: int | None, hw: dict) -> int | None:
@@ -196,6 +205,11 @@ def merge_options(system: str, base: dict, overrides: dict, variant: str, run_le
         if merged.get(key) != defaults.get(key):
             raise SweepError(f"system {system!r} option {key!r} is run-level (the same for every system): "
                              f"set {key}=... instead of system.options.{key}")
+        merged.pop(key, None)
+    for key in C.HARDWARE_ENGINE_FIELDS:
+        if merged.get(key) != defaults.get(key):
+            raise SweepError(f"system {system!r} option {key!r} belongs to the hardware profile (its row must "
+                             f"say emulated): set hardware.{key}=... or use a profile with it")
         merged.pop(key, None)
     merged.update(run_level)
     try:
@@ -274,7 +288,10 @@ def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name
                         for variant, overrides in variants.items():
                             for system in systems:
                                 sc = sys_cfgs[system]
-                                opts = merge_options(system, sc.get("options") or {}, overrides or {}, variant, run_level)
+                                if hwe.get("host_link_gbps") and not emulates_host_link(system):
+                                    continue  # an emulated host link: only systems that can emulate it
+                                opts = merge_options(system, sc.get("options") or {}, overrides or {}, variant,
+                                                     dict(run_level, host_link_gbps=hwe.get("host_link_gbps")))
                                 pid = point_id(system, model, spec.num_layers, width, seq, batch, variant,
                                                hwe["label"])
                                 if pid in seen:

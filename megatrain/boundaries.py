@@ -27,6 +27,7 @@ import math
 import torch
 
 from . import activations, memory
+from .link import NULL_LINK
 
 
 class GpuBoundaries:
@@ -54,8 +55,9 @@ class HostBuffers:
     host store is (plain allocation + cudaHostRegister): torch's pinned allocator would round each 3.7 GB
     boundary (7B shape, 512K tokens) up to 4 GiB."""
 
-    def __init__(self, pin: bool):
+    def __init__(self, pin: bool, link=NULL_LINK):
         self.pin = pin
+        self.link = link  # the host link the offload copies go over (megatrain/link.py)
         self._flat: list[torch.Tensor] = []
         self.read_done: list[object] = []  # per buffer: the event after the last H2D read of it (or None)
         self.plan: dict = {}  # what make_boundaries chose for the latest step (for reports)
@@ -124,6 +126,7 @@ class HostBoundaries:
             if self.buffers.read_done[i] is not None:
                 s.d2h.wait_event(self.buffers.read_done[i])  # last step's H2D read of this buffer must finish
             host.copy_(hidden, non_blocking=True)
+            self.buffers.link.throttle(s.d2h, nbytes, "d2h")  # before ``copied``
             # The engine drops ``hidden`` after the next layer; the allocator must not hand its memory to
             # new compute work before this copy has read it.
             s.keep_alive(hidden, s.d2h)
@@ -157,6 +160,7 @@ class HostBoundaries:
             # from reusing it for the next prefetch while compute may still read it.
             tensor = torch.empty(host.shape, dtype=host.dtype, device=self.device)
             tensor.copy_(host, non_blocking=True)
+            self.buffers.link.throttle(s.h2d, host.numel() * host.element_size(), "h2d")  # before ``landed``
             landed = s.record(s.h2d)
         s.keep_alive(tensor, s.compute)
         self.buffers.read_done[i] = landed  # next step's D2H into this buffer waits for this read

@@ -3,6 +3,7 @@ schemas). Torch is imported only by the methods that resolve devices and dtypes.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 from .system import OptimConfig
 
@@ -81,6 +82,10 @@ class EngineConfig:
     # fp32 host buffer, 4 B/param of host RAM; only the GPU tier's gradients stay on the GPU) or "auto"
     # ("gpu" when the placement plan fits the GPU with them there, else "host").
     grad_placement: str = "auto"
+    # Emulate a host link (host <-> GPU) of this many GB/s each way, slower than the real one: each
+    # weight/gradient/activation copy over it is followed on its copy stream by a GPU sleep for the
+    # difference (megatrain/link.py; CUDA only). None = the real link, untouched.
+    host_link_gbps: Optional[float] = None
     attn_implementation: str = "sdpa"
     seed: int = 0
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -115,6 +120,8 @@ class EngineConfig:
             raise ValueError(f"mlp_chunk_tokens must be -1 (never), 0 (auto) or a positive chunk size, got {self.mlp_chunk_tokens}")
         if self.gpu_margin_gib < 0:
             raise ValueError(f"gpu_margin_gib must be >= 0, got {self.gpu_margin_gib}")
+        if self.host_link_gbps is not None and not self.host_link_gbps > 0:
+            raise ValueError(f"host_link_gbps must be > 0 GB/s (None = the real link), got {self.host_link_gbps}")
         if self.compute_dtype != "auto" and self.compute_dtype not in _DTYPES:
             raise ValueError(f"compute_dtype must be 'auto' or one of {list(_DTYPES)}, got {self.compute_dtype!r}")
 

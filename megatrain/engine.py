@@ -28,6 +28,7 @@ from .device_adamw import DeviceAdamW
 from .grad_offload import GradStream
 from .grad_placement import make_grad_home
 from .host_adamw import HostAdamW
+from .link import make_link
 from .loss import chunked_lm_loss
 from .optim import Optimizers
 from .slots import SlotPool
@@ -86,6 +87,9 @@ class MegaTrain:
         self.device = cfg.resolved_device()
         self.dtype = cfg.resolved_compute_dtype()
         self.streams = StreamSet(self.device)
+        # The host link every weight/gradient/activation copy goes over: NULL_LINK (the real one, no-op)
+        # unless host_link_gbps emulates a slower one (measured here, before the plan reads free memory).
+        self.link = make_link(cfg.host_link_gbps, self.device)
         self.meta = arch.build_meta_model(hf_config)
         self.meta.train()
         self.groups = make_groups(self.meta)
@@ -100,7 +104,7 @@ class MegaTrain:
         self.num_pool_slots = self.block + cfg.num_slots - 1
         on_gpu = self.device.type == "cuda"
         pin = on_gpu and cfg.pin_memory
-        self._boundary_host = HostBuffers(pin)  # host home of offloaded block boundaries, reused every step
+        self._boundary_host = HostBuffers(pin, self.link)  # offloaded block boundaries' host home, reused
 
         # Placement: which groups live on the GPU tier, checked against both memories before allocating.
         self.placement = self._plan(tokens_per_step, seq_len, tiers)
@@ -129,9 +133,10 @@ class MegaTrain:
         # Where final gradients wait for the norm (grad_placement, resolved by the plan): on the GPU, or the
         # host tier's in pinned host buffers filled during the backward (megatrain/grad_placement.py).
         self.grad_home = make_grad_home(self.placement.grads, {n: self.store.by_name[n].numel
-                                                               for n in self.placement.host_names}, self.streams, pin)
+                                                               for n in self.placement.host_names}, self.streams, pin,
+                                        self.link)
         # Optimizers: one implementation per tier behind one interface (megatrain/optim.py).
-        self.grad_stream = GradStream(self.streams, self.grad_home.slabs(cfg.grad_slabs), pin=pin)
+        self.grad_stream = GradStream(self.streams, self.grad_home.slabs(cfg.grad_slabs), pin=pin, link=self.link)
         host_adamw = dist.host_adamw if dist else HostAdamW  # data parallel: each local rank updates a slice
         self.host_opt = host_adamw(self.store, cfg.optim, self.placement.host_names, self.grad_stream,
                                    background=cfg.overlap_optimizer)
@@ -144,7 +149,7 @@ class MegaTrain:
         self.pool = SlotPool(store=self.store, layer_groups=self.layer_groups, make_template=self._make_template,
                              kinds=self.kinds, num_slots=self.num_pool_slots, device=self.device, dtype=self.dtype,
                              streams=self.streams, wait_for_update=self.optimizer.wait_group,
-                             prefetch=cfg.num_slots > 1)
+                             prefetch=cfg.num_slots > 1, link=self.link, host_tier=set(self.placement.host_names))
         self.rotary = arch.build_rotary(self.meta, self.device)
         self.final_norm = copy.deepcopy(self.meta.model.norm)
         # The final norm module computes with a view into the resident "final" buffer (norm is first).
@@ -417,6 +422,8 @@ class MegaTrain:
                 buf.copy_(src, non_blocking=True)
             else:
                 buf.copy_(src.to(self.device, non_blocking=True))  # cast on the GPU
+            if self.placement.tiers[name] == "host":  # a GPU-tier group's copy is a cast on the device
+                self.link.throttle(self.streams.h2d, src.numel() * src.element_size(), "h2d")
             ready = self.streams.record(self.streams.h2d)
         self.streams.compute.wait_event(ready)  # compute may read it only once the copy has landed
         return views(buf, group)

@@ -17,6 +17,7 @@ from typing import Iterator
 
 import torch
 
+from .link import NULL_LINK
 from .streams import StreamSet
 
 CHUNK_ELEMS = 1 << 24  # 16M elements: 32 MiB of bf16, 64 MiB of fp32 per slab
@@ -25,8 +26,10 @@ CHUNK_ELEMS = 1 << 24  # 16M elements: 32 MiB of bf16, 64 MiB of fp32 per slab
 class GradStream:
     """Used from one thread only (the host optimizer's worker)."""
 
-    def __init__(self, streams: StreamSet, n_slabs: int, chunk_elems: int = CHUNK_ELEMS, pin: bool = True):
+    def __init__(self, streams: StreamSet, n_slabs: int, chunk_elems: int = CHUNK_ELEMS, pin: bool = True,
+                 link=NULL_LINK):
         self.streams = streams
+        self.link = link  # the host link the slab copies go over (megatrain/link.py)
         self.chunk_elems = chunk_elems
         self.slab_bytes = self.slab_bytes_for(chunk_elems)  # room for an fp32 chunk (embedding/head grads)
         self.slabs = [torch.empty(self.slab_bytes, dtype=torch.uint8) for _ in range(n_slabs if streams.cuda else 0)]
@@ -100,6 +103,7 @@ class GradStream:
             view = slab[:piece.numel() * piece.element_size()].view(piece.dtype)
             with self.streams.use(d2h):
                 view.copy_(piece, non_blocking=True)
+                self.link.throttle(d2h, piece.numel() * piece.element_size(), "d2h")  # before ``copied``
                 copied = self.streams.record(d2h)
             self.bytes_d2h += piece.numel() * piece.element_size()
             pending.append((s, view, copied, slab))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .link import NULL_LINK
 from .streams import StreamSet
 
 
@@ -47,8 +48,9 @@ class GradsOnHost:
 
     ``host_numels``: host-tier group name -> numel (GPU-tier groups are passed through untouched)."""
 
-    def __init__(self, streams: StreamSet, host_numels: dict[str, int], pin: bool = True):
+    def __init__(self, streams: StreamSet, host_numels: dict[str, int], pin: bool = True, link=NULL_LINK):
         self.streams = streams
+        self.link = link  # the host link the gradient copies go over (megatrain/link.py)
         # torch.empty, not zeros: every buffer is overwritten whole before any reader sees it. Plain
         # allocations + cudaHostRegister (as in ModelStore): the pinned caching allocator would round each
         # buffer up to a power of two.
@@ -98,6 +100,7 @@ class GradsOnHost:
             # stream's order); an fp32 gradient (embedding/head, or fp32 compute) is copied as it is.
             src = flat if flat.dtype == torch.float32 else flat.float()
             buf.copy_(src, non_blocking=True)
+            self.link.throttle(s.d2h, buf.numel() * 4, "d2h")  # before ``copied``: the host AdamW waits for it
             # ``flat`` was allocated on the compute stream: without this the caching allocator could hand
             # its memory out again (to the next layer's backward) before the D2H stream has read it.
             s.keep_alive(flat, s.d2h)
@@ -113,10 +116,10 @@ class GradsOnHost:
         self._registered.clear()
 
 
-def make_grad_home(grads: str, host_numels: dict[str, int], streams: StreamSet, pin: bool):
+def make_grad_home(grads: str, host_numels: dict[str, int], streams: StreamSet, pin: bool, link=NULL_LINK):
     """The object for a resolved placement (``Placement.grads``: "gpu" | "host")."""
     if grads == "host":
-        return GradsOnHost(streams, host_numels, pin)
+        return GradsOnHost(streams, host_numels, pin, link)
     if grads == "gpu":
         return GradsOnGpu()
     raise ValueError(f"unresolved gradient placement {grads!r} (the plan resolves 'auto' to 'gpu' or 'host')")

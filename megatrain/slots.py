@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .link import NULL_LINK
 from .store import Group, ModelStore, views
 from .streams import StreamSet
 
@@ -53,7 +54,8 @@ def bind_template(template: nn.Module, group: Group, buf: torch.Tensor) -> list[
 class SlotPool:
     def __init__(self, *, store: ModelStore, layer_groups: list[Group], make_template: Callable[[str], nn.Module],
                  kinds: list[str], num_slots: int, device: torch.device, dtype: torch.dtype, streams: StreamSet,
-                 wait_for_update: Callable[[str], object], prefetch: bool = True):
+                 wait_for_update: Callable[[str], object], prefetch: bool = True, link=NULL_LINK,
+                 host_tier: set[str] = frozenset()):
         self.store = store
         # prefetch=False is the "no double buffering" ablation: a layer is loaded only when compute asks
         # for it, and the copy waits for all queued compute, so transfer and compute never overlap.
@@ -63,6 +65,9 @@ class SlotPool:
         self.streams = streams
         self.dtype = dtype
         self.wait_for_update = wait_for_update
+        # Loads of host-tier layers cross the host link (``link`` emulates a slower one, megatrain/link.py);
+        # a GPU-tier layer's "load" is a cast on the device.
+        self.link, self.host_tier = link, host_tier
         numel = max(g.numel for g in layer_groups)
         self.slots = [Slot(i, numel, device, dtype, streams) for i in range(num_slots)]
         # Templates are built per distinct kind; all layers share one parameter layout (checked here).
@@ -178,6 +183,8 @@ class SlotPool:
             else:
                 self.staging[:n].copy_(src, non_blocking=True)
                 slot.buf[:n].copy_(self.staging[:n])  # cast on the GPU, ordered after the copy
+            if group.name in self.host_tier:  # before ``ready``: compute waits as over the emulated link
+                self.link.throttle(self.streams.h2d, n * src.element_size(), "h2d")
             slot.ready = self.streams.record(self.streams.h2d)
         slot.layer = layer
         self.loads += 1

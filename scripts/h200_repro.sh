@@ -24,7 +24,8 @@
 #             size: every system at 3B; tokens: ZeRO-3 at 8K/32K/158K
 #   tokens    tokens sweep (3B, 8K..158K tokens per step: MegaTrain, all-on-GPU, ZeRO-3 at three points);
 #             depth: MegaTrain L4-L14 on the current engine, pure streaming L4..L56
-#   host_side MegaTrain 14B tiered / 7B pure streaming on emulated hosts (4 and 8 cores, 64 and 96 GiB RAM)
+#   host_side MegaTrain 14B tiered / 7B pure streaming on emulated hosts (4 and 8 cores, 64 and 96 GiB RAM,
+#             a 16 and a 32 GB/s host link: a GPU sleep after each copy, megatrain/link.py)
 set -uo pipefail
 phase="${1:?usage: h200_repro.sh sweeps1|context|parity|engine|baselines|baselines3b|tokens|host_side}"
 budget="${PHASE_BUDGET_S:-540}"

@@ -101,21 +101,55 @@ def test_host_side_sweep_and_cpu_side_profiles(compose_fn):
     """The host_side sweep pairs 14B tiered and 7B pure streaming with the real host and four emulated
     ones; a cores profile gives the point as many torch threads as cores, a host profile its RAM cap."""
     _, pts = expand(compose_fn, "sweep=host_side")
-    assert [(p.model, p.variant) for p in pts[::5]] == [("qwen2.5-14b", "tiered"), ("qwen2.5-7b", "pure_streaming")]
-    assert len(pts) == 10 and {p.system for p in pts} == {"megatrain"} and {p.batch_size for p in pts} == {16}
+    assert [(p.model, p.variant) for p in pts[::7]] == [("qwen2.5-14b", "tiered"), ("qwen2.5-7b", "pure_streaming")]
+    assert len(pts) == 14 and {p.system for p in pts} == {"megatrain"} and {p.batch_size for p in pts} == {16}
     assert {p.options["gpu_resident"] for p in pts if p.variant == "tiered"} == {"auto"}
     assert {p.options["gpu_resident"] for p in pts if p.variant == "pure_streaming"} == {"0"}
     hw = [(p.hardware["label"], p.hardware["emulated"], p.hardware["cpu_cores"], p.hardware["host_ram_gib"],
-           p.hardware["gpu_mem_gib"], p.hardware["peak_tflops"], p.torch_threads) for p in pts[:5]]
-    assert hw == [("H200", False, None, None, None, 797.5, None),
-                  ("cores-4", True, 4, None, None, 797.5, 4),  # the real GPU's peak: it computes there
-                  ("cores-8", True, 8, None, None, 797.5, 8),
-                  ("host-64GB", True, None, 64, None, 797.5, None),
-                  ("host-96GB", True, None, 96, None, 797.5, None)]
+           p.hardware["gpu_mem_gib"], p.hardware["peak_tflops"], p.torch_threads, p.hardware["host_link_gbps"],
+           p.options["host_link_gbps"]) for p in pts[:7]]
+    assert hw == [("H200", False, None, None, None, 797.5, None, None, None),
+                  ("cores-4", True, 4, None, None, 797.5, 4, None, None),  # the real GPU's peak: it computes there
+                  ("cores-8", True, 8, None, None, 797.5, 8, None, None),
+                  ("host-64GB", True, None, 64, None, 797.5, None, None, None),
+                  ("host-96GB", True, None, 96, None, 797.5, None, None, None),
+                  # an emulated host link: MegaTrain's engine option, from the profile
+                  ("link-16GBps", True, None, None, None, 797.5, None, 16, 16),
+                  ("link-32GBps", True, None, None, None, 797.5, None, 32, 32)]
     assert pts[1].id == "megatrain__qwen2.5-14b__L48__w1__s1024__b16__tiered__cores-4"
     # an explicit torch_threads wins over the profile's cores
     _, pts = expand(compose_fn, "sweep=host_side", "torch_threads=2", "only=[*14b*tiered__cores-4]")
     assert [p.torch_threads for p in pts] == [2]
+
+
+def test_link_profiles_expand_only_megatrain_with_the_engine_option(compose_fn):
+    """A host-link profile is MegaTrain's EngineConfig.host_link_gbps; the other systems cannot slow their own
+    copies, so (as with a several-GPU profile) they have no point on it, and run on the other profiles."""
+    _, pts = expand(compose_fn, "sweep=size", "sweep.hardware=[real,link-16GBps]", "model=qwen2.5-7b",
+                    "sweep.models=[qwen2.5-7b]")
+    on_link = [p for p in pts if p.hardware["label"] == "link-16GBps"]
+    assert [p.system for p in on_link] == ["megatrain"] and on_link[0].options["host_link_gbps"] == 16
+    assert on_link[0].id.endswith("__default__link-16GBps") and on_link[0].hardware["emulated"] is True
+    real = [p for p in pts if p.hardware["label"] == "H200"]
+    assert [p.system for p in real] == ["megatrain", "zero3", "fsdp", "gemini", "native"]
+    assert real[0].options["host_link_gbps"] is None
+    # a command-line link on a profile: a float, plumbed the same way
+    _, pts = expand(compose_fn, "sweep=smoke", "hardware.name=slow", "hardware.emulated=true",
+                    "hardware.host_link_gbps=8.5", device="cpu", gpu_name="")
+    assert {p.system for p in pts} == {"megatrain"} and {p.options["host_link_gbps"] for p in pts} == {8.5}
+    # the engine option is the hardware's: as a system option it would label a throttled row as the real GPU
+    with pytest.raises(sweeps.SweepError, match="'host_link_gbps' belongs to the hardware profile"):
+        expand(compose_fn, "sweep=smoke", "system=megatrain", "system.options.host_link_gbps=8", device="cpu",
+               gpu_name="")
+    assert sweeps.emulates_host_link("megatrain") and not any(
+        sweeps.emulates_host_link(s) for s in ("zero3", "fsdp", "gemini", "native"))
+
+
+def test_link_profile_files():
+    for bw in (16, 32):
+        hw = yaml.safe_load((CONF / "hardware" / f"link-{bw}GBps.yaml").read_text())
+        assert hw["name"] == f"link-{bw}GBps" and hw["host_link_gbps"] == bw and hw["emulated"] is True
+        assert all(hw[k] is None for k in ("gpu_mem_gib", "cpu_cores", "host_ram_gib", "gpus", "peak_tflops"))
 
 
 def test_malformed_hardware_profiles_are_refused(compose_fn):
@@ -124,6 +158,10 @@ def test_malformed_hardware_profiles_are_refused(compose_fn):
         expand(compose_fn, *base, "hardware.emulated=true", "hardware.cpu_cores=0", device="cpu", gpu_name="")
     with pytest.raises(sweeps.SweepError, match="host_ram_gib=0.0 must be > 0"):
         expand(compose_fn, *base, "hardware.emulated=true", "hardware.host_ram_gib=0", device="cpu", gpu_name="")
+    with pytest.raises(sweeps.SweepError, match="host_link_gbps=0.0 must be > 0"):
+        expand(compose_fn, *base, "hardware.emulated=true", "hardware.host_link_gbps=0", device="cpu", gpu_name="")
+    with pytest.raises(sweeps.SweepError, match="sets host_link_gbps but emulated: false"):
+        expand(compose_fn, *base, "hardware.host_link_gbps=16", device="cpu", gpu_name="")
     # a cap on a profile that calls itself real would label a capped row as the real machine
     with pytest.raises(sweeps.SweepError, match="sets cpu_cores, host_ram_gib but emulated: false"):
         expand(compose_fn, *base, "hardware.cpu_cores=1", "hardware.host_ram_gib=8", device="cpu", gpu_name="")

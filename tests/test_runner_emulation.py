@@ -71,6 +71,13 @@ def test_apply_sets_the_cap_and_clears_an_inherited_one(monkeypatch):
     assert applied == {"cpu_cores": emulation.usable_cores(), "host_ram_cap_gib": None}
     applied = emulation.apply({"name": "host-64GB", "host_ram_gib": 64})
     assert os.environ[memory.HOST_RAM_ENV] == "64" and applied["host_ram_cap_gib"] == 64.0
+    # the host link is emulated by the engine; apply records it, and the row's settings carry it
+    applied = emulation.apply({"name": "link-16GBps", "host_link_gbps": 16})
+    assert applied["host_link_gbps"] == 16.0 and "host_link_gbps" not in emulation.apply({"name": "real"})
+    from experiments.launch import _host_settings
+
+    assert _host_settings({**applied, "torch_threads": 2}) == {"cpu_cores": applied["cpu_cores"],
+                                                                "torch_threads": 2, "host_link_gbps": 16.0}
 
 
 def test_cores_error():
