@@ -376,9 +376,9 @@ def fig_hardware(df, out, formats):
                 _fail_handle()]
     handles[-1].set_label("× failed / not run (reason above the mark)")
 
-    note = (FORMULA_NOTE + "\nEmulated profiles run on the H200 with the GPU memory capped to the profile's size; "
-            "compute and the host link (never emulated) are still the H200's, so absolute TFLOPS overstate "
-            "the real card.")
+    note = (FORMULA_NOTE + "\nEmulated GPU profiles run on the H200 with the GPU memory capped to the profile's "
+            "size; compute and the host link are still the H200's (a profile slows the link only where it says "
+            "host_link_gbps), so absolute TFLOPS overstate the real card.")
     return _finish(fig, df, "Throughput per hardware profile", note, out, "hardware", formats,
                    fig_legend=(handles, min(len(handles), 4)))
 
