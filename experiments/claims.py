@@ -456,16 +456,17 @@ _PLAN_GPU = re.compile(r"engine plan: GPU needs\s+" + _GIB_NUM + r".*?=\s*" + _G
 
 
 def plan_gpu_refusal(r) -> str | None:
-    """MegaTrain skipped because its own placement plan does not fit the GPU side (every gradient waits on
-    the GPU until the step's norm is known): a limit of the engine, which more host RAM would not lift,
-    so the verdict is "missed", with the plan's numbers. None for any other row."""
+    """MegaTrain skipped because its own placement plan does not fit the GPU side (the streaming working set,
+    the gradients that wait for the step's norm and the margin; since grad_placement=auto the host tier's
+    gradients wait on the host when that helps, so a row after it is refused with them there): a limit of
+    the engine, which more host RAM would not lift, so the verdict is "missed", with the plan's numbers.
+    None for any other row."""
     if r is None or r.get("status") != "skipped" or r.get("system") != "megatrain":
         return None
     m = _PLAN_GPU.search(" ".join(str(r.get("error") or "").split()))
     if not m:
         return None
-    return (f"missed (the engine's plan refuses the GPU side: needs {m.group(1)} GiB > {m.group(2)} GiB usable; "
-            f"gradients wait on the GPU)")
+    return f"missed (the engine's plan refuses the GPU side: needs {m.group(1)} GiB > {m.group(2)} GiB usable)"
 
 
 def _failed(out: dict, r: pd.Series, who: str = "") -> dict:
