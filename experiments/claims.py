@@ -353,6 +353,19 @@ def _host_oom_limit(r) -> MemoryLimit | None:
     return None
 
 
+def _host_oom_verdict(r, who: str) -> str:
+    """A baseline killed for host RAM: the paper's host had more, so its ratio cannot be judged here.
+    With the engine's estimate over the host's RAM the estimate is the need; otherwise (a system that uses
+    more than the estimate's 12 B/param) the RSS it was killed at says how far it got."""
+    lim = _host_oom_limit(r)
+    if lim is not None:
+        return lim.verdict(who)
+    rss, ram = _num(r.get("host_peak_rss_gib")), _host_ram(r)
+    at = f" (killed at ~{_gib(rss)} GiB RSS" + (f" of this host's {_gib(ram)} GiB)" if ram is not None else ")") \
+        if rss is not None else ""
+    return f"not reproducible here: {who} ran out of host RAM{at}; MegaTrain ran"
+
+
 # ----------------------------------------------------------------------------------------------
 # evidence: engine benchmark rows (JSONL) for a claim no sweep row covers
 # ----------------------------------------------------------------------------------------------
@@ -530,6 +543,8 @@ def _ratio(c: _Ctx, paper_hw: str) -> dict:
         out["ours"] = f"{r[metric]:.1f} {unit} vs {bname} {st} → ∞ [{_where_text(r)}]"
         if lim is not None:
             out["verdict"] = lim.verdict(bname)
+        elif b["status"] == "host_oom":  # this host's RAM, not the paper's: no ratio to judge
+            out["verdict"] = _host_oom_verdict(b, bname)
         else:
             out["verdict"] = (f"exceeded ({bname} {st}, MegaTrain ran)" if b["status"] in OOM
                               else f"not comparable ({bname} {st})")
@@ -539,6 +554,10 @@ def _ratio(c: _Ctx, paper_hw: str) -> dict:
     ratio = float(r[metric]) / float(b[metric])
     out["ours"] = f"{ratio:.2f}× ({r[metric]:.1f} / {b[metric]:.1f} {unit}) [{_where_text(r)}]"
     out["verdict"] = _value_verdict(ratio, float(claim["paper"]), c.tol) + ("; emulated profile" if c.emulated else "")
+    slow_start = [f"{who} not at steady state ({x.get('steady_note')})" for who, x in (("MegaTrain", r), (bname, b))
+                  if x.get("steady_note")]  # experiments.steady: its median overstates its step time
+    if slow_start:
+        out["verdict"] += "; " + "; ".join(slow_start)
     out["sample"] = out["sample"] or _is_sample_row(b)
     return out
 

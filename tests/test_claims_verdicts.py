@@ -286,3 +286,24 @@ def test_paper_points_give_the_papers_curve_for_the_figures():
     assert ctx[1024.0] == 284.7 and ctx[524288.0] == 407.4
     assert C.paper_points("width")[0] == {1.0: 406.0, 5.0: 100.0}
     assert C.paper_points("size") == ({}, "")  # no curve: a bar figure
+
+
+def test_ratio_claim_whose_baseline_ran_out_of_this_hosts_ram(tmp_path):
+    """A baseline killed for host RAM gives no ratio: the paper's host had more RAM than ours. With the
+    engine's estimate under the host's RAM (ZeRO-3 uses more than 12 B/param) the verdict quotes the RSS
+    it was killed at; with the estimate over it, the estimate. A GPU OOM of the baseline stays 'exceeded'."""
+    rows = _frame(tmp_path, [_row("megatrain", 7, "ok", tflops=190.0),
+                             _row("zero3", 7, "host_oom", error="host_oom_killed", host_peak_rss_gib=123.1,
+                                  host_estimate_gib=92.0),
+                             _row("gemini", 7, "gpu_oom", error="CUDA out of memory"),
+                             _row("megatrain", 14, "ok", tflops=150.0),
+                             _row("zero3", 14, "host_oom", error="host_oom_killed", host_peak_rss_gib=120.0,
+                                  host_estimate_gib=166.8)])
+    e = _ev(_claim("z7", "ratio", "megatrain", {"params_b": 7}, paper=3.56, baseline="zero3"), rows)
+    assert e["verdict"] == ("not reproducible here: ZeRO-3 ran out of host RAM (killed at ~123 GiB RSS of this "
+                            "host's 126 GiB); MegaTrain ran")
+    assert "host OOM → ∞" in e["ours"]
+    e = _ev(_claim("g7", "ratio", "megatrain", {"params_b": 7}, paper=2.42, baseline="gemini"), rows)
+    assert e["verdict"] == "exceeded (Gemini OOM, MegaTrain ran)"
+    e = _ev(_claim("z14", "ratio", "megatrain", {"params_b": 14}, paper=1.84, baseline="zero3"), rows)
+    assert e["verdict"] == "not reproducible here: ZeRO-3 needs ~167 GiB host RAM (this host: 126 GiB)"

@@ -284,3 +284,27 @@ def test_depth_figure_has_a_gpu_memory_panel_and_keeps_variants_apart(tmp_path):
     host_default = [ys for label, ys in lines if label.startswith("MegaTrain: peak RSS")]
     assert len(host_ps) == 1 and len(host_default) == 1
     assert len(host_default[0]) == len(ok) and len(host_ps[0]) == len(ok)  # not one line through both
+
+
+def test_a_system_that_only_failed_is_still_named_in_the_legend(tmp_path):
+    """The size figure's band shows FSDP2 / Gemini as coloured × only: without a legend entry a reader
+    cannot tell whose they are."""
+    from experiments import figures
+    import matplotlib.axes
+
+    df = schema.read_results(SAMPLE / "size" / "results.csv")
+    df.loc[df["system"] == "gemini", ["status", "tflops"]] = ["host_oom", None]
+    labels = []
+    orig_plot = matplotlib.axes.Axes.plot
+
+    def spy_plot(self, *a, **k):
+        labels.append(k.get("label") or "")
+        return orig_plot(self, *a, **k)
+
+    matplotlib.axes.Axes.plot = spy_plot
+    try:
+        figures.fig_size_throughput(df, tmp_path, ("png",))
+    finally:
+        matplotlib.axes.Axes.plot = orig_plot
+    assert "ColossalAI Gemini (× only: did not run)" in labels
+    assert "MegaTrain" in labels and not any(lb.startswith("MegaTrain (×") for lb in labels)

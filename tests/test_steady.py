@@ -1,0 +1,59 @@
+"""experiments.steady: rows whose timed steps are still speeding up are flagged, and the report marks them."""
+import json
+from pathlib import Path
+
+
+from experiments import schema
+from experiments.report import build_report
+from experiments.steady import falling_note, mark_unsteady, timed_step_times
+
+
+def _metrics(point_dir: Path, times, warmup=1):
+    point_dir.mkdir(parents=True, exist_ok=True)
+    recs = [{"step": i, "warmup": i < warmup, "step_time_s": t} for i, t in enumerate(times)]
+    (point_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_falling_note_rule():
+    assert falling_note([4.11, 2.51]) == "4.11 -> 2.51 s over 2 timed steps"
+    assert falling_note([1.00, 0.90]) == ""          # a 10 % fall is inside the tolerance
+    assert falling_note([1.00, 1.30]) == ""          # slower at the end is not "still speeding up"
+    assert falling_note([2.0]) == "" and falling_note([]) == ""
+
+
+def test_timed_step_times_skips_warmup_and_tolerates_missing(tmp_path):
+    _metrics(tmp_path / "p", [9.0, 4.0, 3.0], warmup=1)
+    assert timed_step_times(tmp_path / "p") == [4.0, 3.0]
+    assert timed_step_times(tmp_path / "absent") == []
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "metrics.jsonl").write_text("{not json\n")
+    assert timed_step_times(tmp_path / "bad") == []
+
+
+def _row(system, status="ok", tflops=None):
+    return dict(sweep="size", point=f"{system}__qwen2.5-3b__L36__w1__s1024__b8__default__H200", system=system,
+                variant="default", status=status, error="", model="qwen2.5-3b", num_params=3.09e9, num_layers=36,
+                hidden_size=2048, seq_len=1024, batch_size=8, tokens_per_step=8192, hardware="H200", emulated=False,
+                tflops=tflops, step_time_median_s=1.0, gpu_name="NVIDIA H200", git_sha="abc1234",
+                host_ram_gib=125.9)
+
+
+def test_report_marks_the_unsteady_row_and_its_ratio(tmp_path):
+    rows = [_row("megatrain", tflops=300.0), _row("zero3", tflops=50.0)]
+    for r in rows:
+        schema.append_row(tmp_path / "size" / "results.csv", r)
+    _metrics(tmp_path / "size" / rows[0]["point"], [1.0, 0.51, 0.50])
+    _metrics(tmp_path / "size" / rows[1]["point"], [4.7, 4.11, 2.51])
+    df = mark_unsteady(tmp_path, "size", schema.read_results(tmp_path / "size" / "results.csv"))
+    assert list(df["steady_note"]) == ["", "4.11 -> 2.51 s over 2 timed steps"]
+    text, errors = build_report(tmp_path, out_path=tmp_path / "REPORT.md", log=lambda *a: None)
+    assert not errors
+    assert "| ZeRO-3 | 50.0† |" in text and "6.00×†" in text
+    assert "## Rows not at steady state" in text and "4.11 -> 2.51 s over 2 timed steps" in text
+    assert "| MegaTrain | 300† |" not in text  # the steady row is not marked
+
+
+def test_report_without_unsteady_rows_has_no_section(tmp_path):
+    schema.append_row(tmp_path / "size" / "results.csv", _row("megatrain", tflops=300.0))
+    text, _ = build_report(tmp_path, out_path=tmp_path / "REPORT.md", log=lambda *a: None)
+    assert "Rows not at steady state" not in text and "†" not in text
