@@ -70,6 +70,11 @@ class MegaTrainSystem:
     def memory(self) -> MemoryStats:
         return self.engine.memory()
 
+    def phase_times(self) -> dict[str, float]:
+        """The last step's phase timings and counters (``MegaTrain.stats``: host wall time per phase,
+        ``optimizer_exposed_s`` = time the step waited for the host AdamW, ``host_update_busy_s``, ...)."""
+        return dict(self.engine.stats)
+
     def state_dict(self):
         """HF-named fp32 master weights, as the baselines' ``state_dict`` (parity checks, evaluation)."""
         return self.engine.state_dict()

@@ -282,6 +282,9 @@ def train(job: Job, applied: dict | None = None) -> int:
                        "time": time.time()}
                 if cuda:
                     rec["gpu_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+                phases = getattr(system, "phase_times", None)  # optional: where the step's time went
+                if phases is not None:
+                    rec["phases"] = {k: _finite(v) for k, v in phases().items()}
                 mf.write(json.dumps(rec) + "\n")
                 mf.flush()
                 records.append(rec)

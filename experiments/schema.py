@@ -102,7 +102,7 @@ CSV_README = """\
 One row per point of the `{sweep}` sweep, written by `python -m experiments.run sweep={sweep}` as soon as
 the point ends (a re-run appends rows for the points it re-did; readers keep the last row per point).
 Per-point folders `<point>/` hold `config.yaml` (resolved), `metrics.jsonl` (one line per step, warmup
-steps flagged), `log.txt` (the point process's stdout/stderr) and `result.json`.
+steps flagged; MegaTrain's lines carry the engine's phase timers under `phases`), `log.txt` (the point process's stdout/stderr) and `result.json`.
 
 ## Formulas
 

@@ -26,8 +26,14 @@
 #             depth: MegaTrain L4-L14 on the current engine, pure streaming L4..L56
 #   host_side MegaTrain 14B tiered / 7B pure streaming on emulated hosts (4 and 8 cores, 64 and 96 GiB RAM,
 #             a 16 and a 32 GB/s host link: a GPU sleep after each copy, megatrain/link.py)
+# Session 2026-12-01d left these (docs/sessions/2026-12-01d.md):
+#   rest3b    size: FSDP2 / Gemini / all-on-GPU at 3B (clipped by the budget), ZeRO-3 3B again with 3 timed
+#             steps after 2 warm-up steps (its 2-step row is still speeding up: marked † in the report)
+#   rest7b    size: Gemini 7B (clipped at 172 s: give it 300 s); host_side: the points not reached (rerun resumes);
+#             tokens: MegaTrain 158K again (the plan-decided MLP chunk)
+#   zero3tok  tokens: ZeRO-3 at 8K/32K/158K with 3 timed steps
 set -uo pipefail
-phase="${1:?usage: h200_repro.sh sweeps1|context|parity|engine|baselines|baselines3b|tokens|host_side}"
+phase="${1:?usage: h200_repro.sh sweeps1|context|parity|engine|baselines|baselines3b|tokens|host_side|rest3b|rest7b|zero3tok}"
 budget="${PHASE_BUDGET_S:-540}"
 : "${OUT:?set OUT}"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True MEGATRAIN_SITE=/tmp/site WHEELHOUSE_SKIP=megatrain
@@ -123,6 +129,21 @@ case "$phase" in
     # the sweep file pairs the shapes (only=...) and sets shared_init=false; the real host runs first, so the
     # host AdamW extension is compiled on all 16 cores, not inside a cores-4 point
     run sweep=host_side timeout_s=240
+    ;;
+  rest3b)
+    run sweep=size 'only=[fsdp__*qwen2.5-3b*,native__*qwen2.5-3b*,gemini__*qwen2.5-3b*]' shared_init=true steps=3 \
+        warmup_steps=1 timeout_s=240
+    run sweep=size 'only=[zero3__*qwen2.5-3b*]' redo=true shared_init=true steps=3 warmup_steps=2 timeout_s=200
+    ;;
+  rest7b)
+    run sweep=size 'only=[gemini__*qwen2.5-7b*]' shared_init=true steps=2 warmup_steps=1 timeout_s=300
+    run sweep=host_side timeout_s=240
+    run sweep=tokens system=megatrain 'only=[megatrain__*b158__*]' redo=true shared_init=false steps=2 \
+        warmup_steps=1 timeout_s=120
+    ;;
+  zero3tok)
+    run sweep=tokens system=zero3 'only=[*b8__*,*b158__*,*b32__*]' shared_init=true steps=3 warmup_steps=2 \
+        timeout_s=180
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -113,6 +113,11 @@ def test_engine_through_a_factory_trains_on_cpu(tmp_path, cache):
     flops = 6 * p * t + 12 * r["num_layers"] * r["hidden_size"] * r["seq_len"] * t
     assert r["tflops"] == pytest.approx(flops / r["step_time_median_s"] / 1e12, rel=1e-3)
     assert r["loss_first"] == pytest.approx(records[0]["loss"], rel=1e-5)
+    # the engine's phase timers go with every step (the host_side sweep's "why" needs them)
+    for x in records:
+        ph = x["phases"]
+        assert {"forward_s", "backward_s", "optimizer_exposed_s", "h2d_loads"} <= set(ph), ph
+        assert 0 <= ph["forward_s"] + ph["backward_s"] <= x["step_time_s"] * 1.05
     assert r["loss_last"] == pytest.approx(records[-1]["loss"], rel=1e-5)
     assert r["host_bytes_per_param"] == pytest.approx(r["host_peak_rss_gib"] * 2**30 / p, rel=1e-3)
     assert r["host_estimate_gib"] > 0
