@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from .fig_host_side import fig_host_side
 from .schema import fill_x_from_point
 from .style import *  # noqa: F403
 from .style import (_fail_handle, _finish, _legend, _line_panel, _log2_ticks, _mark_failures, _series_key,  # noqa: F401,E501
@@ -481,6 +482,7 @@ FIGURES = {
     "hardware": [("hardware", fig_hardware)],
     "ablation": [("ablation", fig_ablation)],
     "tokens": [("tokens", fig_tokens)],
+    "host_side": [("host_side", fig_host_side)],
 }
 
 

@@ -1,0 +1,125 @@
+"""The host_side figure: three panels (CPU cores, host link, host RAM cap) from the committed H200 rows
+and from altered copies of them (only some profiles, no ok rows, a CPU smoke). No GPU, no torch."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from experiments import fig_host_side, figures, schema  # noqa: E402
+
+# a frozen copy of the H200 rows of 2026-12-01 (results/host_side/results.csv may be re-measured); the real
+# link is read from the committed result.json of its link rows (54-56 GB/s on any H200 run)
+CSV = ROOT / "tests" / "data" / "host_side_h200_2026-12-01.csv"
+
+
+@pytest.fixture
+def rows():
+    return schema.read_results(CSV)
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """The figure handed to ``_finish`` (which closes it after saving): its axes stay inspectable."""
+    figs = []
+    orig = fig_host_side._finish
+
+    def spy(fig, *a, **k):
+        figs.append(fig)
+        return orig(fig, *a, **k)
+
+    monkeypatch.setattr(fig_host_side, "_finish", spy)
+    return figs
+
+
+def _draw(df, tmp_path, captured):
+    paths = figures.fig_host_side(df, tmp_path, ("png",))
+    assert [p.name for p in paths] == ["host_side.png"]
+    assert paths[0].exists() and paths[0].stat().st_size > 0
+    (fig,) = captured
+    axes = fig.axes[:3]
+    assert [a.get_xlabel().split(" (")[0] for a in axes] == ["CPU cores", "host link", "host RAM cap"]
+    return axes
+
+
+def _texts(ax):
+    return [t.get_text() for t in ax.texts]
+
+
+def _xs(ax, marker=None):
+    """x values of the lines drawn on ``ax`` (only those with ``marker`` if given)."""
+    return {round(float(x), 1) for l in ax.get_lines() if marker is None or l.get_marker() == marker
+            for x in l.get_xdata()}
+
+
+def test_registered():
+    assert figures.FIGURES["host_side"] == [("host_side", figures.fig_host_side)]
+    assert figures.figures_for("host_side") == [("host_side", figures.fig_host_side)]
+
+
+def test_panels_x_values_ratios_and_skip_marks(rows, tmp_path, captured):
+    cores, link, ram = _draw(rows, tmp_path, captured)
+    assert {4.0, 8.0, 16.0} <= set(cores.get_xticks()) and _xs(cores) >= {4.0, 16.0}
+    lx = sorted(link.get_xticks())
+    assert lx[:2] == [16.0, 32.0] and 54 < lx[-1] < 56  # the real link: measured in the link rows' result.json
+    assert "(real host" in link.get_xticklabels()[-1].get_text()
+    assert set(ram.get_xticks()) == {64.0, 96.0, 125.8}
+    assert cores.get_ylabel() == "training throughput (TFLOPS)"
+    # the real host is the right-most point of every panel
+    for ax in (cores, link, ram):
+        assert "real host" in ax.get_xticklabels()[-1].get_text()
+    # values with their ratio to the same series on the real host
+    assert "162 (0.60×)" in _texts(cores) and "272 (1.00×)" in _texts(cores)
+    assert "227 (0.83×)" in _texts(link)
+    # the skipped host-RAM rows: an × at 64 and 96 GiB with the RAM the plan needs
+    assert {64.0, 96.0} <= _xs(ram, marker="x")
+    assert _texts(ram).count("skip: needs 102.6 GiB") == 2 and "skip: needs 88.9 GiB" in _texts(ram)
+    assert 8.0 in _xs(cores, marker="x") and "timeout" in _texts(cores)
+
+
+def test_unmeasured_link_falls_back_to_55(rows, tmp_path, captured):
+    rows = rows.assign(sweep="host_side_elsewhere")  # no result.json for these points anywhere
+    _, link, _ = _draw(rows, tmp_path, captured)
+    assert max(link.get_xticks()) == 55.0
+    assert link.get_xticklabels()[-1].get_text() == "~55\n(measured pinned H2D)"
+
+
+def test_only_some_profiles(rows, tmp_path, captured):
+    part = rows[rows["hardware"].isin(["H200", "cores-4"])]
+    cores, link, ram = _draw(part, tmp_path, captured)
+    assert set(cores.get_xticks()) == {4.0, 16.0}
+    assert len(link.get_xticks()) == 1 and set(ram.get_xticks()) == {125.8}
+
+
+def test_no_ok_rows_does_not_crash(rows, tmp_path, captured):
+    bad = rows.assign(status="skipped", tflops=float("nan"), tokens_per_s=float("nan"), settings="",
+                      error="skipped: host needs 200.0 GiB > available host RAM 125 GiB")
+    cores, link, ram = _draw(bad, tmp_path, captured)
+    assert any("no successful runs" in t for t in _texts(cores))
+    assert "skip: needs 200.0 GiB" in _texts(ram)
+    assert {4.0, 8.0, 16.0} <= _xs(cores, marker="x")  # cores from the profile name; real host: cores of the others
+
+
+def test_failures_without_an_x_value_or_a_known_profile(rows, tmp_path, captured):
+    weird = rows.head(3).assign(hardware=["realbox", "mystery", "cores-4"], emulated=[False, True, True],
+                                status=["error", "error", "ok"], tflops=float("nan"), tokens_per_s=float("nan"),
+                                settings="", host_ram_gib=float("nan"))
+    cores, link, ram = _draw(weird, tmp_path, captured)
+    # the real host's cores and RAM are unknown here: listed in the panel instead of dropped
+    assert any(t.startswith("× without an x value") and "realbox" in t for t in _texts(cores))
+    assert any(t.startswith("× without an x value") for t in _texts(ram))
+    assert "no value" in _texts(cores)  # an ok row without a throughput: an × at 4 cores
+    assert 4.0 in _xs(cores, marker="x") and 55.0 in _xs(link, marker="x")
+
+
+def test_cpu_smoke_falls_back_to_tokens_per_s(rows, tmp_path, captured):
+    cpu = rows.assign(tflops=float("nan"), mfu=float("nan"))
+    cores, _, _ = _draw(cpu, tmp_path, captured)
+    assert cores.get_ylabel() == "training throughput (tokens/s)"
+    assert any(t.startswith("1,769 (0.60×)") for t in _texts(cores))
