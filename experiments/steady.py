@@ -22,23 +22,22 @@ FALL_TOL = 0.15   # a fall of more than 15 % from the first to the last timed st
 DAGGER = "†"
 
 
-def timed_step_times(point_dir: Path) -> list[float]:
-    """Step times (s) of the timed (non-warm-up) steps in ``point_dir/metrics.jsonl``, in order; [] when
-    the file is missing or unreadable."""
+def timed_records(point_dir: Path) -> list[dict]:
+    """The timed (non-warm-up) lines of ``point_dir/metrics.jsonl``, in order; [] when the file is missing
+    or unreadable."""
     path = Path(point_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    times = []
     try:
-        for line in path.read_text().splitlines():
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            if not rec.get("warmup") and rec.get("step_time_s") is not None:
-                times.append(float(rec["step_time_s"]))
+        recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     except (OSError, ValueError):
         return []
-    return times
+    return [r for r in recs if isinstance(r, dict) and not r.get("warmup")]
+
+
+def timed_step_times(point_dir: Path) -> list[float]:
+    """Step times (s) of the timed steps in ``point_dir/metrics.jsonl``, in order."""
+    return [float(r["step_time_s"]) for r in timed_records(point_dir) if r.get("step_time_s") is not None]
 
 
 def falling_note(times: list[float], tol: float = FALL_TOL) -> str:

@@ -1,4 +1,5 @@
-"""experiments.steady: rows whose timed steps are still speeding up are flagged, and the report marks them."""
+"""experiments.steady: rows whose timed steps are still speeding up are flagged, and the report marks them;
+experiments.phases: the engine's phase timers of those steps become the report's "where the time went"."""
 import json
 from pathlib import Path
 
@@ -57,3 +58,30 @@ def test_report_without_unsteady_rows_has_no_section(tmp_path):
     schema.append_row(tmp_path / "size" / "results.csv", _row("megatrain", tflops=300.0))
     text, _ = build_report(tmp_path, out_path=tmp_path / "REPORT.md", log=lambda *a: None)
     assert "Rows not at steady state" not in text and "†" not in text
+
+
+def test_phase_medians_and_the_report_section(tmp_path):
+    from experiments.phases import phase_medians
+
+    r = _row("megatrain", tflops=300.0)
+    schema.append_row(tmp_path / "size" / "results.csv", r)
+    pdir = tmp_path / "size" / r["point"]
+    pdir.mkdir(parents=True)
+    split = lambda f, b, o: {"forward_s": f, "loss_s": 0.1, "backward_s": b, "grad_norm_s": 0.0,  # noqa: E731
+                             "optimizer_launch_s": o, "optimizer_exposed_s": o / 2, "host_update_busy_s": 1.5}
+    recs = [{"step": 0, "warmup": True, "step_time_s": 9.0, "phases": split(5.0, 3.0, 0.9)},
+            {"step": 1, "warmup": False, "step_time_s": 4.0, "phases": split(1.0, 2.5, 0.4)},
+            {"step": 2, "warmup": False, "step_time_s": 4.2, "phases": split(1.2, 2.5, 0.4)},
+            {"step": 3, "warmup": False, "step_time_s": 4.4, "phases": split(1.4, 2.5, 0.4)}]
+    (pdir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in recs))
+    ph = phase_medians(pdir)
+    assert ph["step_s"] == 4.2 and ph["forward_s"] == 1.2 and ph["optimizer_exposed_s"] == 0.2  # warm-up left out
+    text, _ = build_report(tmp_path, out_path=tmp_path / "REPORT.md", log=lambda *a: None)
+    assert "## Where MegaTrain's step time went" in text
+    assert f"| size | {r['point']} | 4.20 | 1.20 (29%) |" in text and "| 0.20 (5%) | 1.50 (36%) |" in text
+    # rows without phase timers (measured before they were recorded): no section
+    (pdir / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in x.items() if k != "phases"}) + "\n"
+                                                for x in recs))
+    assert phase_medians(pdir) == {}
+    assert "Where MegaTrain's step time went" not in build_report(tmp_path, out_path=tmp_path / "R.md",
+                                                                   log=lambda *a: None)[0]
