@@ -29,8 +29,8 @@
 # Session 2026-12-01d left these (docs/sessions/2026-12-01d.md):
 #   rest3b    size: FSDP2 / Gemini / all-on-GPU at 3B (clipped by the budget), ZeRO-3 3B again with 3 timed
 #             steps after 2 warm-up steps (its 2-step row is still speeding up: marked † in the report)
-#   rest7b    size: Gemini 7B (clipped at 172 s: give it 300 s); host_side: the points not reached (rerun resumes);
-#             tokens: MegaTrain 158K again (the plan-decided MLP chunk)
+#   rest7b    host_side: the points not reached (rerun resumes); tokens: MegaTrain 158K again (the
+#             plan-decided MLP chunk); size: Gemini 7B (clipped at 172 s: give it 300 s)
 #   zero3tok  tokens: ZeRO-3 at 8K/32K/158K with 3 timed steps
 set -uo pipefail
 phase="${1:?usage: h200_repro.sh sweeps1|context|parity|engine|baselines|baselines3b|tokens|host_side|rest3b|rest7b|zero3tok}"
@@ -135,11 +135,11 @@ case "$phase" in
         warmup_steps=1 timeout_s=240
     run sweep=size 'only=[zero3__*qwen2.5-3b*]' redo=true shared_init=true steps=3 warmup_steps=2 timeout_s=200
     ;;
-  rest7b)
-    run sweep=size 'only=[gemini__*qwen2.5-7b*]' shared_init=true steps=2 warmup_steps=1 timeout_s=300
+  rest7b)  # cheapest first: the host_side points (~1.5 min each), then 158K, then Gemini (likely host OOM)
     run sweep=host_side timeout_s=240
     run sweep=tokens system=megatrain 'only=[megatrain__*b158__*]' redo=true shared_init=false steps=2 \
         warmup_steps=1 timeout_s=120
+    run sweep=size 'only=[gemini__*qwen2.5-7b*]' shared_init=true steps=2 warmup_steps=1 timeout_s=300
     ;;
   zero3tok)
     run sweep=tokens system=zero3 'only=[*b8__*,*b158__*,*b32__*]' shared_init=true steps=3 warmup_steps=2 \
