@@ -28,6 +28,7 @@ import torch
 
 from . import activations, memory
 from .link import NULL_LINK
+from .pinning import pin_in_place, unpin
 
 
 class GpuBoundaries:
@@ -72,9 +73,7 @@ class HostBuffers:
             self._release(i)
             self._flat[i] = torch.empty(nbytes, dtype=torch.uint8)
             if self.pin:  # page-locked: the copies are DMA and can run asynchronously on their streams
-                err = torch.cuda.cudart().cudaHostRegister(self._flat[i].data_ptr(), nbytes, 0)
-                if int(err) != 0:
-                    raise RuntimeError(f"cudaHostRegister failed ({err}) for a {nbytes / 2**30:.2f} GiB boundary")
+                pin_in_place(self._flat[i], "a block boundary")
             self.read_done[i] = None
         return self._flat[i][:nbytes].view(like.dtype).view(like.shape)
 
@@ -85,7 +84,7 @@ class HostBuffers:
         if self._flat[i] is not None and self.pin:
             if self.read_done[i] is not None:
                 self.read_done[i].synchronize()  # host waits: the last H2D read must end before unpinning
-            torch.cuda.cudart().cudaHostUnregister(self._flat[i].data_ptr())
+            unpin(self._flat[i])
         self._flat[i] = None
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ from typing import Iterator
 import torch
 
 from .link import NULL_LINK
+from .pinning import pin_in_place, unpin
 from .streams import StreamSet
 
 CHUNK_ELEMS = 1 << 24  # 16M elements: 32 MiB of bf16, 64 MiB of fp32 per slab
@@ -37,9 +38,7 @@ class GradStream:
         self._registered = []
         if pin and streams.cuda:
             for s in self.slabs:
-                if int(torch.cuda.cudart().cudaHostRegister(s.data_ptr(), s.numel(), 0)) != 0:
-                    raise RuntimeError("cudaHostRegister failed for a gradient slab")
-                self._registered.append(s)
+                self._registered.append(pin_in_place(s, "a gradient slab"))
         self._scalar = torch.zeros(1, dtype=torch.float32)
         if pin and streams.cuda:
             self._scalar = self._scalar.pin_memory()
@@ -121,5 +120,5 @@ class GradStream:
 
     def close(self) -> None:
         for s in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(s.data_ptr())
+            unpin(s)
         self._registered.clear()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .link import NULL_LINK
+from .pinning import pin_in_place, unpin
 from .streams import StreamSet
 
 
@@ -58,11 +59,7 @@ class GradsOnHost:
         self._registered: list[torch.Tensor] = []
         if pin and streams.cuda:
             for buf in self.buffers.values():
-                err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * 4, 0)
-                if int(err) != 0:
-                    raise RuntimeError(f"cudaHostRegister failed ({err}) for a host gradient buffer of "
-                                       f"{buf.numel() * 4 / 2**30:.2f} GiB")
-                self._registered.append(buf)
+                self._registered.append(pin_in_place(buf, "a host gradient buffer"))
         self.bytes_d2h = 0
         self._last_copy = None  # event after the previous place()'s copy (back-pressure, see place)
 
@@ -112,7 +109,7 @@ class GradsOnHost:
 
     def close(self) -> None:
         for t in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+            unpin(t)
         self._registered.clear()
 
 

@@ -19,6 +19,8 @@ import warnings
 
 import torch
 
+from .pinning import pin_in_place, unpin
+
 GB = 1e9  # link bandwidths are in GB/s (10^9 bytes), as PCIe's are quoted
 MEASURE_BYTES = 256 << 20
 MEASURE_REPEATS = 3
@@ -94,8 +96,7 @@ def make_link(host_link_gbps: float | None, device: torch.device):
 def measure(device: torch.device, nbytes: int = MEASURE_BYTES, repeats: int = MEASURE_REPEATS):
     """(best pinned bandwidth each way in GB/s, ``torch.cuda._sleep`` cycles per second) on ``device``."""
     host = torch.empty(nbytes, dtype=torch.uint8)
-    if int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0)) != 0:
-        raise RuntimeError("cudaHostRegister failed for the host link measurement buffer")
+    pin_in_place(host, "the host link measurement buffer")
     try:
         dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
         stream = torch.cuda.Stream(device)
@@ -105,7 +106,7 @@ def measure(device: torch.device, nbytes: int = MEASURE_BYTES, repeats: int = ME
             times = _timed(lambda: torch.cuda._sleep(CALIBRATION_CYCLES), repeats)
         del dev
     finally:
-        torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+        unpin(host)
     torch.cuda.empty_cache()  # the plan measures free GPU memory after this
     return {"h2d": h2d, "d2h": d2h}, CALIBRATION_CYCLES / sorted(times)[len(times) // 2]
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .arch import EMBED_NAME, HEAD_NAME, LAYER_PREFIX, NORM_NAME, ParamSpan, flat_layout
+from .pinning import pin_in_place, unpin
 
 
 @dataclass
@@ -100,10 +101,7 @@ class ModelStore:
         return [g.name for g in self.groups if self.devices[g.name].type == "cpu"]
 
     def _register(self, t: torch.Tensor) -> None:
-        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister failed ({err}) for {t.numel() * t.element_size() / 2**30:.2f} GiB")
-        self._registered.append(t)
+        self._registered.append(pin_in_place(t, "a host-tier tensor"))
 
     @property
     def pinned_bytes(self) -> int:
@@ -141,5 +139,5 @@ class ModelStore:
 
     def close(self) -> None:
         for t in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+            unpin(t)
         self._registered.clear()
