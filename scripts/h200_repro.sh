@@ -27,7 +27,7 @@
 #   host_side MegaTrain 14B tiered / 7B pure streaming on emulated hosts (4 and 8 cores, 64 and 96 GiB RAM,
 #             a 16 and a 32 GB/s host link: a GPU sleep after each copy, megatrain/link.py)
 # Session 2026-12-01d left these (docs/sessions/2026-12-01d.md):
-#   rest3b    size: FSDP2 / Gemini / all-on-GPU at 3B (clipped by the budget), ZeRO-3 3B again with 3 timed
+#   rest3b    GPU tests (engine, link); size: FSDP2 / Gemini / all-on-GPU at 3B (clipped by the budget), ZeRO-3 3B again with 3 timed
 #             steps after 2 warm-up steps (its 2-step row is still speeding up: marked † in the report)
 #   rest7b    host_side: the points not reached (rerun resumes); tokens: MegaTrain 158K again (the
 #             plan-decided MLP chunk); size: Gemini 7B (clipped at 172 s: give it 300 s)
@@ -131,6 +131,10 @@ case "$phase" in
     run sweep=host_side timeout_s=240
     ;;
   rest3b)
+    say "GPU tests first: the pin_in_place helper (cb2a9b6) changed every cudaHostRegister site"
+    timeout 150 python3 -m pytest -m gpu tests/test_engine_gpu.py tests/test_link.py -q -x -p no:cacheprovider \
+        >>"$log" 2>&1
+    say "pytest exit $?"
     run sweep=size 'only=[fsdp__*qwen2.5-3b*,native__*qwen2.5-3b*,gemini__*qwen2.5-3b*]' shared_init=true steps=3 \
         warmup_steps=1 timeout_s=240
     run sweep=size 'only=[zero3__*qwen2.5-3b*]' redo=true shared_init=true steps=3 warmup_steps=2 timeout_s=200
