@@ -90,6 +90,24 @@ def paper_points(sweep: str, data: dict | None = None) -> tuple[dict[float, floa
     return pts, hw
 
 
+def paper_hardware_points(data: dict | None = None) -> dict[tuple[float, str, str], float]:
+    """The paper's TFLOPS per (params_b, our hardware profile, system) from the hardware section: MegaTrain's
+    absolute claims, and each baseline's value derived from a ratio claim as MegaTrain's value / ratio (the
+    paper's "128 / 36" gives ZeRO-3 36 at 7B on the A100)."""
+    data = data or load_claims()
+    hw_claims = [c for c in data["claims"] if c["section"] == "hardware" and c["compare"] in ("absolute", "ratio")
+                 and {"params_b", "hardware"} <= set(c.get("where") or {})]
+    out = {}
+    for c in hw_claims:
+        if c["compare"] == "absolute" and c["system"] == "megatrain":
+            out[(float(c["where"]["params_b"]), c["where"]["hardware"], "megatrain")] = float(c["paper"])
+    for c in hw_claims:
+        key = (float(c["where"]["params_b"]), c["where"]["hardware"])
+        if c["compare"] == "ratio" and (*key, "megatrain") in out and float(c["paper"]) > 0:
+            out[(*key, c["baseline"])] = out[(*key, "megatrain")] / float(c["paper"])
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # selecting rows
 # ----------------------------------------------------------------------------------------------

@@ -318,9 +318,12 @@ def fig_tokens(df, out, formats):
     return _finish(fig, df, f"Throughput vs tokens per step ({models})", FORMULA_NOTE, out, "tokens", formats)
 
 
-def _bar_fail(ax, x, top, status, color):
+def _bar_fail(ax, x, top, status, color, label_above: float | None = None):
+    """× at the bottom of a bar's slot, its status written upwards from it (or from ``label_above``, to
+    clear something drawn in the slot, e.g. the paper's value)."""
     ax.plot([x], [top * 0.03], marker="x", color=color, ms=9, mew=2.2, zorder=4)
-    ax.annotate(STATUS_SHORT.get(status, status), (x, top * 0.03), xytext=(0, 6), textcoords="offset points",
+    y, dy = (top * 0.03, 6) if label_above is None else (label_above, 16)
+    ax.annotate(STATUS_SHORT.get(status, status), (x, y), xytext=(0, dy), textcoords="offset points",
                 ha="center", va="bottom", fontsize=7, color=color, fontweight="bold", rotation=90)
 
 
@@ -344,6 +347,7 @@ def fig_hardware(df, out, formats):
     fig, axes = _new_figure(ncols=len(panels), width=max(6.5, 4.6 * len(panels)), height=5.0, sharey=True)
     top = _safe_max(df.loc[df["status"] == "ok", "tflops"])
     systems = _ordered_systems(df)
+    paper = _paper_hardware(df)
     for ax, (label, g) in zip(axes, panels):
         hws = [h for h in HARDWARE_ORDER if h in set(g["hardware"])] + \
               [h for h in dict.fromkeys(g["hardware"]) if h not in HARDWARE_ORDER]
@@ -356,13 +360,20 @@ def fig_hardware(df, out, formats):
                 if r.empty:
                     continue
                 r = r.iloc[-1]
+                pv = paper.get((r["_p"], hw, s))
                 if r["status"] == "ok" and pd.notna(r["tflops"]):
                     ax.bar(x, r["tflops"], width=width * 0.92, color=color, zorder=3,
                            hatch="//" if r["emulated"] else None, edgecolor="white", lw=0.5)
                     ax.annotate(f"{r['tflops']:.0f}", (x, r["tflops"]), xytext=(0, 2), textcoords="offset points",
                                 ha="center", fontsize=6.5)
                 else:
-                    _bar_fail(ax, x, top, r["status"], color)
+                    _bar_fail(ax, x, top, r["status"], color, label_above=pv)
+                if pv is not None:  # the paper's value for this system, model and GPU, on our bar's slot
+                    ax.plot([x - width * 0.46, x + width * 0.46], [pv, pv], color="black", lw=2.2, zorder=5,
+                            solid_capstyle="butt", label="paper")
+                    ax.annotate(f"{pv:.0f}", (x, pv), xytext=(0, 2), textcoords="offset points", ha="center",
+                                va="bottom", fontsize=6.5, color="black", fontweight="bold", zorder=6,
+                                bbox=dict(fc="white", ec="none", alpha=0.85, pad=0.4))
         ax.set_xticks(range(len(hws)))
         emu = {h: bool(g.loc[g["hardware"] == h, "emulated"].any()) for h in hws}
         ax.set_xticklabels([f"{h}\n(emulated)" if emu[h] else f"{h}\n(real)" for h in hws], fontsize=8)
@@ -375,6 +386,9 @@ def fig_hardware(df, out, formats):
     handles = [Patch(color=_style(s)[1], label=system_label(s, df)) for s in systems]
     handles += [Patch(facecolor="#bbbbbb", hatch="//", edgecolor="white", label="emulated profile"),
                 _fail_handle()]
+    if paper:
+        from matplotlib.lines import Line2D  # noqa: PLC0415
+        handles.insert(-1, Line2D([], [], color="black", lw=2.2, label="the paper's value on the real GPU"))
     handles[-1].set_label("× failed / not run (reason above the mark)")
 
     note = (FORMULA_NOTE + "\nEmulated GPU profiles run on the H200 with the GPU memory capped to the profile's "
@@ -382,6 +396,20 @@ def fig_hardware(df, out, formats):
             "host_link_gbps), so absolute TFLOPS overstate the real card.")
     return _finish(fig, df, "Throughput per hardware profile", note, out, "hardware", formats,
                    fig_legend=(handles, min(len(handles), 4)))
+
+
+def _paper_hardware(df) -> dict[tuple[float, str, str], float]:
+    """{(num_params of our row, hardware, system): the paper's TFLOPS} for the rows of ``df`` that a paper
+    value of the hardware section matches (model size within 15 %, as the claims match)."""
+    from .claims import paper_hardware_points
+
+    pts = paper_hardware_points()
+    out = {}
+    for p, hw, system in {(r["_p"], r["hardware"], r["system"]) for _, r in df.iterrows() if pd.notna(r["_p"])}:
+        for (pb, phw, psys), v in pts.items():
+            if phw == hw and psys == system and abs(p / 1e9 - pb) <= 0.15 * pb:
+                out[(p, hw, system)] = v
+    return out
 
 
 def _streaming_tag(settings) -> str:

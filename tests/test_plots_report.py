@@ -308,3 +308,34 @@ def test_a_system_that_only_failed_is_still_named_in_the_legend(tmp_path):
         matplotlib.axes.Axes.plot = orig_plot
     assert "ColossalAI Gemini (× only: did not run)" in labels
     assert "MegaTrain" in labels and not any(lb.startswith("MegaTrain (×") for lb in labels)
+
+
+def test_hardware_figure_draws_the_papers_values_beside_ours(tmp_path):
+    """The paper gives A100 numbers (MegaTrain 128 / 122 / 114 at 7B / 14B / 32B; ZeRO-3 and Gemini through
+    its ratios, e.g. 128 / 3.56 = 36): each is drawn as a black tick on the matching system's slot."""
+    from experiments import claims, figures
+    import matplotlib.axes
+
+    pts = claims.paper_hardware_points()
+    assert pts[(7.0, "A100-80GB", "megatrain")] == 128.0
+    assert pts[(7.0, "A100-80GB", "zero3")] == pytest.approx(128 / 3.56)
+    assert pts[(14.0, "A100-80GB", "gemini")] == pytest.approx(122 / 8.13)
+    df = schema.read_results(SAMPLE / "hardware" / "results.csv")
+    df = df[df["hardware"] == "A100-80GB"]
+    ticks = []
+    orig_plot = matplotlib.axes.Axes.plot
+
+    def spy_plot(self, *a, **k):
+        if k.get("label") == "paper":
+            ticks.append(list(a[1]))
+        return orig_plot(self, *a, **k)
+
+    matplotlib.axes.Axes.plot = spy_plot
+    try:
+        figures.fig_hardware(df, tmp_path, ("png",))
+    finally:
+        matplotlib.axes.Axes.plot = orig_plot
+    drawn = {round(ys[0]) for ys in ticks}
+    expected = {round(v) for (pb, hw, s), v in pts.items() if hw == "A100-80GB"
+                and ((df["system"] == s) & (df["model"].str.lower() == f"qwen2.5-{int(pb)}b")).any()}
+    assert expected and drawn == expected, (drawn, expected)
