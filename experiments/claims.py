@@ -90,6 +90,18 @@ def paper_points(sweep: str, data: dict | None = None) -> tuple[dict[float, floa
     return pts, hw
 
 
+def paper_ablation_points(data: dict | None = None) -> dict[str, float]:
+    """The paper's 14B ablation TFLOPS per variant ("full" included), from the ablation section's claims
+    (each variant once, whichever of our shapes its claims are judged on)."""
+    data = data or load_claims()
+    out = {}
+    for c in data["claims"]:
+        v = (c.get("where") or {}).get("variant")
+        if c["section"] == "ablation" and v and c["compare"] in ("absolute", "relative"):
+            out.setdefault(v, float(c["paper"]))
+    return out
+
+
 def paper_hardware_points(data: dict | None = None) -> dict[tuple[float, str, str], float]:
     """The paper's TFLOPS per (params_b, our hardware profile, system) from the hardware section: MegaTrain's
     absolute claims, and each baseline's value derived from a ratio claim as MegaTrain's value / ratio (the

@@ -454,19 +454,33 @@ def fig_ablation(df, out, formats):
                 if full_v and v != "full":
                     txt += f"\n{(val / full_v - 1) * 100:+.1f}%"
                 ax.annotate(txt, (x, val), xytext=(0, 3), textcoords="offset points", ha="center",
-                            fontsize=8 if len(setups) < 3 else 6.5)
+                            fontsize=8 if len(setups) < 3 else 6.5, zorder=7,  # over the paper's tick
+                            bbox=dict(fc="white", ec="none", alpha=0.8, pad=0.2))
             else:
                 _bar_fail(ax, x, top, r["status"], color)
+    from .claims import paper_ablation_points
+
+    paper = paper_ablation_points()
+    for i, v in enumerate(variants):  # the paper's value for the variant: a black tick across its group
+        if v not in paper:
+            continue
+        pv, pfull = paper[v], paper.get("full")
+        ax.plot([i - 0.42, i + 0.42], [pv, pv], color="black", lw=1.6, ls="--", zorder=6,
+                label="the paper (14B, GH200)" if not any(vv in paper for vv in variants[:i]) else None)
+        txt = f"paper {pv:.0f}" + (f" ({(pv / pfull - 1) * 100:+.1f}%)" if pfull and v != "full" else "")
+        ax.annotate(txt, (i + 0.42, pv), xytext=(2, 0), textcoords="offset points", ha="left", va="center",
+                    fontsize=7, zorder=6, bbox=dict(fc="white", ec="none", alpha=0.85, pad=0.3))
+    top = max(top, max((paper[v] for v in variants if v in paper), default=0.0))
     ax.set_xticks(range(len(variants)))
     ax.set_xticklabels([variant_label(v) for v in variants], fontsize=8.5)
     ax.set_ylim(0, top * 1.25)
     ax.grid(axis="x", visible=False)
     ax.set_ylabel("training throughput (TFLOPS)")
     ax.set_xlabel("MegaTrain variant (one optimisation switched off); % = difference to full")
-    if len(setups) > 1:
-        _legend(ax, ncol=min(3, len(setups)))
-    else:
-        ax.set_title(setups[0] if setups else "", fontsize=9.5)
+    if len(setups) > 1 or paper:
+        _legend(ax, ncol=min(4, len(setups) + bool(paper)))
+    if len(setups) == 1:
+        ax.set_title(setups[0], fontsize=9.5)
     return _finish(fig, df, "Ablation: MegaTrain optimisations", FORMULA_NOTE, out, "ablation", formats)
 
 

@@ -207,7 +207,7 @@ def test_ablation_is_one_panel_full_first_with_differences(tmp_path):
         matplotlib.axes.Axes.annotate, matplotlib.axes.Axes.set_xticklabels = orig, orig_ticks
     assert ticks[-1][0] == "full" and len(ticks) == 1
     ok_others = df[(df["status"] == "ok") & (df["variant"] != "full")]
-    assert sum("%" in a for a in annotations) == len(ok_others) > 0
+    assert sum("%" in a for a in annotations if not a.startswith("paper")) == len(ok_others) > 0
     assert style.variant_label("no_double_buffer") == "no double\nbuffer"
 
 
@@ -339,3 +339,28 @@ def test_hardware_figure_draws_the_papers_values_beside_ours(tmp_path):
     expected = {round(v) for (pb, hw, s), v in pts.items() if hw == "A100-80GB"
                 and ((df["system"] == s) & (df["model"].str.lower() == f"qwen2.5-{int(pb)}b")).any()}
     assert expected and drawn == expected, (drawn, expected)
+
+
+def test_ablation_figure_draws_the_papers_values(tmp_path):
+    """The paper's 14B ablation (full 266.3, no double buffering 182.9, ...): one dashed tick per variant
+    that has a paper value, across its group of bars."""
+    from experiments import claims, figures
+    import matplotlib.axes
+
+    paper = claims.paper_ablation_points()
+    assert paper["full"] == 266.3 and paper["no_double_buffer"] == 182.9
+    df = schema.read_results(SAMPLE / "ablation" / "results.csv")
+    ticks = []
+    orig_plot = matplotlib.axes.Axes.plot
+
+    def spy_plot(self, *a, **k):
+        if k.get("ls") == "--" and k.get("color") == "black":
+            ticks.append(a[1][0])
+        return orig_plot(self, *a, **k)
+
+    matplotlib.axes.Axes.plot = spy_plot
+    try:
+        figures.fig_ablation(df, tmp_path, ("png",))
+    finally:
+        matplotlib.axes.Axes.plot = orig_plot
+    assert sorted(ticks) == sorted(v for k, v in paper.items() if k in set(df["variant"]))
