@@ -69,11 +69,12 @@ def _check_optional_fields(path: Path, c: dict) -> None:
 # the paper's own curve for a figure
 # ----------------------------------------------------------------------------------------------
 
-PAPER_CURVES = {"depth": "num_layers", "context": "seq_len", "width": "width_mult"}  # sweep -> x column
+PAPER_CURVES = {"depth": "num_layers", "context": "seq_len", "width": "width_mult",  # sweep -> x column
+                "size": "params_b"}
 
 
-def paper_points(sweep: str, data: dict | None = None) -> tuple[dict[float, float], str]:
-    """The paper's MegaTrain TFLOPS along ``sweep``'s x axis, from the claims of that section whose filter
+def paper_points(sweep: str, data: dict | None = None, system: str = "megatrain") -> tuple[dict[float, float], str]:
+    """The paper's TFLOPS of ``system`` along ``sweep``'s x axis, from the claims of that section whose filter
     names the x column (absolute and relative claims both carry the paper's absolute value), and the
     paper's hardware name. ``({}, "")`` for a sweep without such a curve."""
     xcol = PAPER_CURVES.get(sweep)
@@ -83,7 +84,7 @@ def paper_points(sweep: str, data: dict | None = None) -> tuple[dict[float, floa
     pts, hw = {}, ""
     for c in data["claims"]:
         where = c.get("where") or {}
-        if c["section"] == sweep and c["system"] == "megatrain" and c["compare"] in ("absolute", "relative") \
+        if c["section"] == sweep and c["system"] == system and c["compare"] in ("absolute", "relative") \
                 and xcol in where and "hardware" not in where and "variant" not in where:
             pts[float(where[xcol])] = float(c["paper"])
             hw = _hw_short(data.get("hardware", {}) or {}, c.get("paper_hardware", ""))

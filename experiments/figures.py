@@ -73,6 +73,8 @@ def fig_size_throughput(df, out, formats):
     df["params_b"] = fill_x_from_point(df, "num_params") / 1e9
     fig, (ax,) = _new_figure(width=7.6, height=5.0)
     _line_panel(ax, df, "params_b", "tflops", "training throughput (TFLOPS)")
+    for system in ("megatrain", "zero3"):  # the paper's GH200 values beside ours, at our models' sizes
+        _paper_curve(ax, "size", system, snap_to=set(df["params_b"].dropna()))
     ax.set_xscale("log")
     _params_ticks(ax, df["params_b"])
     ax.set_xlabel("model size (billion parameters, log scale)")
@@ -195,17 +197,27 @@ def fig_size_host_memory(df, out, formats):
     return _finish(fig, df, "Host memory vs model size (size sweep)", note, out, "size_host_memory", formats)
 
 
-def _paper_curve(ax, sweep: str) -> list[float]:
-    """The paper's MegaTrain TFLOPS along the sweep (experiments/data/paper_claims.yaml) as a dotted grey
-    line with hollow markers; the y range grows to show it. Returns its x values (for the ticks)."""
+def _snap(x: float, ours, tol: float = 0.15) -> float:
+    """Our nearest x within ``tol`` of the paper's nominal x (the paper's "7B" is the 7.6B Qwen2.5-7B)."""
+    near = [v for v in ours if pd.notna(v) and abs(v - x) <= tol * x]
+    return min(near, key=lambda v: abs(v - x)) if near else x
+
+
+def _paper_curve(ax, sweep: str, system: str = "megatrain", snap_to=()) -> list[float]:
+    """The paper's TFLOPS of ``system`` along the sweep (experiments/data/paper_claims.yaml) as a dotted
+    line with hollow markers (grey for MegaTrain, the system's colour otherwise), each x moved to the nearest
+    of ``snap_to`` within 15 %; the y range grows to show it. Returns its x values (for the ticks)."""
     from .claims import paper_points
 
-    pts, hw = paper_points(sweep)
+    pts, hw = paper_points(sweep, system=system)
     if not pts:
         return []
+    pts = {_snap(x, snap_to): v for x, v in pts.items()}
     xs = sorted(pts)
-    ax.plot(xs, [pts[x] for x in xs], ls=":", lw=1.6, color="#555555", marker="D", mfc="white", ms=6, zorder=2,
-            label=f"paper: MegaTrain on a {hw}" if hw else "paper: MegaTrain")
+    who = record(system).short
+    color = "#555555" if system == "megatrain" else _style(system)[1]
+    ax.plot(xs, [pts[x] for x in xs], ls=":", lw=1.6, color=color, marker="D", mfc="white", ms=6, zorder=2,
+            label=f"paper: {who} on a {hw}" if hw else f"paper: {who}")
     lo, hi = ax.get_ylim()
     ax.set_ylim(lo, max(hi, 1.12 * max(pts.values())))
     return xs

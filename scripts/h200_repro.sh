@@ -31,7 +31,8 @@
 #             steps after 2 warm-up steps (its 2-step row is still speeding up: marked † in the report)
 #   rest7b    host_side: the points not reached (rerun resumes); tokens: MegaTrain 158K again (the
 #             plan-decided MLP chunk); size: Gemini 7B (clipped at 172 s: give it 300 s)
-#   zero3tok  tokens: ZeRO-3 at 8K/32K/158K with 3 timed steps
+#   zero3tok  size: MegaTrain 14B on the current engine (the row is 7140039's, 194 TFLOPS); tokens: ZeRO-3 at
+#             8K/32K/158K with 3 timed steps
 set -uo pipefail
 phase="${1:?usage: h200_repro.sh sweeps1|context|parity|engine|baselines|baselines3b|tokens|host_side|rest3b|rest7b|zero3tok}"
 budget="${PHASE_BUDGET_S:-540}"
@@ -146,6 +147,7 @@ case "$phase" in
     run sweep=size 'only=[gemini__*qwen2.5-7b*]' shared_init=true steps=2 warmup_steps=1 timeout_s=300
     ;;
   zero3tok)
+    run sweep=size 'only=[megatrain__*qwen2.5-14b*]' redo=true shared_init=false timeout_s=150  # was 7140039's engine
     run sweep=tokens system=zero3 'only=[*b8__*,*b158__*,*b32__*]' shared_init=true steps=3 warmup_steps=2 \
         timeout_s=180
     ;;

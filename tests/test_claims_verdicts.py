@@ -285,7 +285,9 @@ def test_paper_points_give_the_papers_curve_for_the_figures():
     ctx, _ = C.paper_points("context")
     assert ctx[1024.0] == 284.7 and ctx[524288.0] == 407.4
     assert C.paper_points("width")[0] == {1.0: 406.0, 5.0: 100.0}
-    assert C.paper_points("size") == ({}, "")  # no curve: a bar figure
+    assert C.paper_points("size") == ({7.0: 284.0, 14.0: 264.0, 32.0: 250.0}, "GH200")
+    assert C.paper_points("size", system="zero3")[0] == {14.0: 143.6}
+    assert C.paper_points("tokens") == ({}, "")  # no curve
 
 
 def test_ratio_claim_whose_baseline_ran_out_of_this_hosts_ram(tmp_path):
