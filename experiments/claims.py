@@ -200,6 +200,20 @@ def _same_point(rows: pd.DataFrame, r: pd.Series, system: str) -> pd.Series | No
     return (ok if not ok.empty else c).iloc[0]
 
 
+def _run_of(r) -> tuple[str, str]:
+    """(git SHA, day) of a row: rows of one run share both."""
+    return str(r.get("git_sha") or "")[:7], str(r.get("date") or "")[:10]
+
+
+def _other_run(a, b) -> str:
+    """"" when rows ``a`` and ``b`` come from one run (same git SHA and day), else ", another run (git X,
+    day)" naming ``b``'s run: a comparison across runs is not a same-run comparison."""
+    if _run_of(a) == _run_of(b):
+        return ""
+    sha, day = _run_of(b)
+    return f", another run (git {sha or '?'}, {day or '?'})"
+
+
 # ----------------------------------------------------------------------------------------------
 # formatting
 # ----------------------------------------------------------------------------------------------
@@ -545,10 +559,11 @@ def _absolute(c: _Ctx, paper_hw: str) -> dict:
     txt = f"{ours:.1f} {unit}"
     z = _same_point(c.rows, r, "zero3") if r["system"] == "megatrain" else None
     if z is not None:
+        where = " in the same run" if not _other_run(r, z) else f" at this point{_other_run(r, z)}"
         if z["status"] == "ok" and pd.notna(z[metric]) and z[metric] > 0:
-            txt += f" (= {ours / float(z[metric]):.2f}× ZeRO-3 in the same run)"
+            txt += f" (= {ours / float(z[metric]):.2f}× ZeRO-3{where})"
         else:
-            txt += f" (ZeRO-3 in the same run: {STATUS_SHORT.get(z['status'], z['status'])})"
+            txt += f" (ZeRO-3{where}: {STATUS_SHORT.get(z['status'], z['status'])})"
     out["ours"] = f"{txt} [{_where_text(r)}]"
     v = _value_verdict(ours, float(claim["paper"]), c.tol, bool(claim.get("paper_min")))
     out["verdict"] = f"not comparable (emulated profile, H200 compute; {v})" if c.emulated else v
@@ -571,7 +586,7 @@ def _ratio(c: _Ctx, paper_hw: str) -> dict:
     if b["status"] != "ok" or pd.isna(b[metric]) or b[metric] <= 0:
         st = STATUS_SHORT.get(b["status"], b["status"])
         lim = memory_limit(b)
-        out["ours"] = f"{r[metric]:.1f} {unit} vs {bname} {st} → ∞ [{_where_text(r)}]"
+        out["ours"] = f"{r[metric]:.1f} {unit} vs {bname} {st}{_other_run(r, b)} → ∞ [{_where_text(r)}]"
         if lim is not None:
             out["verdict"] = lim.verdict(bname)
         elif b["status"] == "host_oom":  # this host's RAM, not the paper's: no ratio to judge
@@ -583,8 +598,10 @@ def _ratio(c: _Ctx, paper_hw: str) -> dict:
             out["verdict"] += "; emulated profile"
         return out
     ratio = float(r[metric]) / float(b[metric])
-    out["ours"] = f"{ratio:.2f}× ({r[metric]:.1f} / {b[metric]:.1f} {unit}) [{_where_text(r)}]"
+    out["ours"] = f"{ratio:.2f}× ({r[metric]:.1f} / {b[metric]:.1f} {unit}{_other_run(r, b)}) [{_where_text(r)}]"
     out["verdict"] = _value_verdict(ratio, float(claim["paper"]), c.tol) + ("; emulated profile" if c.emulated else "")
+    if _other_run(r, b):
+        out["verdict"] += f"; {bname} from another run"
     slow_start = [f"{who} not at steady state ({x.get('steady_note')})" for who, x in (("MegaTrain", r), (bname, b))
                   if x.get("steady_note")]  # experiments.steady: its median overstates its step time
     if slow_start:

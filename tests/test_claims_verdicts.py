@@ -309,3 +309,20 @@ def test_ratio_claim_whose_baseline_ran_out_of_this_hosts_ram(tmp_path):
     assert e["verdict"] == "exceeded (Gemini OOM, MegaTrain ran)"
     e = _ev(_claim("z14", "ratio", "megatrain", {"params_b": 14}, paper=1.84, baseline="zero3"), rows)
     assert e["verdict"] == "not reproducible here: ZeRO-3 needs ~167 GiB host RAM (this host: 126 GiB)"
+
+
+def test_rows_of_different_runs_are_not_called_the_same_run(tmp_path):
+    """MegaTrain's row and ZeRO-3's at the same point but from two runs (git SHA or day differ): the text
+    says "another run", and a ratio built on them says so in its verdict."""
+    rows = _frame(tmp_path, [_row("megatrain", 7, "ok", tflops=300.0, git_sha="7140039", date="2026-12-01T05:14"),
+                             _row("zero3", 7, "ok", tflops=100.0, git_sha="525281e", date="2026-12-01T18:26"),
+                             _row("megatrain", 14, "ok", tflops=250.0, git_sha="525281e", date="2026-12-01T18:30"),
+                             _row("zero3", 14, "ok", tflops=125.0, git_sha="525281e", date="2026-12-01T18:40")])
+    e = _ev(_claim("a7", "absolute", "megatrain", {"params_b": 7}, paper=284), rows)
+    assert "(= 3.00× ZeRO-3 at this point, another run (git 525281e, 2026-12-01))" in e["ours"]
+    e = _ev(_claim("r7", "ratio", "megatrain", {"params_b": 7}, paper=3.0, baseline="zero3"), rows)
+    assert e["verdict"] == "matched (+0.0%); ZeRO-3 from another run"
+    e = _ev(_claim("a14", "absolute", "megatrain", {"params_b": 14}, paper=264), rows)
+    assert "(= 2.00× ZeRO-3 in the same run)" in e["ours"]
+    e = _ev(_claim("r14", "ratio", "megatrain", {"params_b": 14}, paper=2.0, baseline="zero3"), rows)
+    assert "another run" not in e["verdict"]
