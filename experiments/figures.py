@@ -219,7 +219,11 @@ def _paper_curve(ax, sweep: str, system: str = "megatrain", snap_to=()) -> list[
     ax.plot(xs, [pts[x] for x in xs], ls=":", lw=1.6, color=color, marker="D", mfc="white", ms=6, zorder=2,
             label=f"paper: {who} on a {hw}" if hw else f"paper: {who}")
     lo, hi = ax.get_ylim()
-    ax.set_ylim(lo, max(hi, 1.12 * max(pts.values())))
+    new_hi = max(hi, 1.12 * max(pts.values()))
+    if new_hi > hi and ax.get_yscale() == "linear":
+        from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
+        ax.set_yticks([t for t in MaxNLocator(nbins=6).tick_values(0.0, new_hi) if 0.0 <= t <= new_hi])
+    ax.set_ylim(lo, new_hi)
     return xs
 
 

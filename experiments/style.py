@@ -240,8 +240,9 @@ def _line_panel(ax, df: pd.DataFrame, xcol: str, ycol: str, ylabel: str, *, band
         if not part.empty:
             ax.plot(part[xcol], part[ycol], marker=marker, color=color, label=label, lw=1.8, ms=6,
                     zorder=3, ls="-" if not variant else "--")
-        elif not f.empty:  # only failures: still named in the legend, so its band row says whose they are
-            ax.plot([], [], marker="x", color=color, ls="none", mew=2, ms=7, label=f"{label} (× only: did not run)")
+        elif not f.empty and band:  # only failures: still named in the legend, so its band row says whose
+            ax.plot([], [], marker="x", color=color, ls="none", mew=2, ms=7,
+                    label=f"{record(system).short}{f' ({variant})' if variant else ''}: did not run (×)")
         if not f.empty:
             fails[system] = pd.concat([fails.get(system, f.iloc[:0]), f])
     if not logy:

@@ -306,8 +306,8 @@ def test_a_system_that_only_failed_is_still_named_in_the_legend(tmp_path):
         figures.fig_size_throughput(df, tmp_path, ("png",))
     finally:
         matplotlib.axes.Axes.plot = orig_plot
-    assert "ColossalAI Gemini (× only: did not run)" in labels
-    assert "MegaTrain" in labels and not any(lb.startswith("MegaTrain (×") for lb in labels)
+    assert "Gemini: did not run (×)" in labels
+    assert "MegaTrain" in labels and not any(lb.startswith("MegaTrain:") for lb in labels)
 
 
 def test_hardware_figure_draws_the_papers_values_beside_ours(tmp_path):
