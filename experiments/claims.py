@@ -559,7 +559,8 @@ def _absolute(c: _Ctx, paper_hw: str) -> dict:
     txt = f"{ours:.1f} {unit}"
     z = _same_point(c.rows, r, "zero3") if r["system"] == "megatrain" else None
     if z is not None:
-        where = " in the same run" if not _other_run(r, z) else f" at this point{_other_run(r, z)}"
+        other = _other_run(r, z)
+        where = f" at this point{other}" if other else " in the same run"
         if z["status"] == "ok" and pd.notna(z[metric]) and z[metric] > 0:
             txt += f" (= {ours / float(z[metric]):.2f}× ZeRO-3{where})"
         else:
@@ -583,10 +584,11 @@ def _ratio(c: _Ctx, paper_hw: str) -> dict:
     if b is None:
         out.update(ours=f"{r[metric]:.1f} {unit}; {bname} not in this sweep [{_where_text(r)}]", verdict="not measured")
         return out
+    other = _other_run(r, b)
     if b["status"] != "ok" or pd.isna(b[metric]) or b[metric] <= 0:
         st = STATUS_SHORT.get(b["status"], b["status"])
         lim = memory_limit(b)
-        out["ours"] = f"{r[metric]:.1f} {unit} vs {bname} {st}{_other_run(r, b)} → ∞ [{_where_text(r)}]"
+        out["ours"] = f"{r[metric]:.1f} {unit} vs {bname} {st}{other} → ∞ [{_where_text(r)}]"
         if lim is not None:
             out["verdict"] = lim.verdict(bname)
         elif b["status"] == "host_oom":  # this host's RAM, not the paper's: no ratio to judge
@@ -598,9 +600,9 @@ def _ratio(c: _Ctx, paper_hw: str) -> dict:
             out["verdict"] += "; emulated profile"
         return out
     ratio = float(r[metric]) / float(b[metric])
-    out["ours"] = f"{ratio:.2f}× ({r[metric]:.1f} / {b[metric]:.1f} {unit}{_other_run(r, b)}) [{_where_text(r)}]"
+    out["ours"] = f"{ratio:.2f}× ({r[metric]:.1f} / {b[metric]:.1f} {unit}{other}) [{_where_text(r)}]"
     out["verdict"] = _value_verdict(ratio, float(claim["paper"]), c.tol) + ("; emulated profile" if c.emulated else "")
-    if _other_run(r, b):
+    if other:
         out["verdict"] += f"; {bname} from another run"
     slow_start = [f"{who} not at steady state ({x.get('steady_note')})" for who, x in (("MegaTrain", r), (bname, b))
                   if x.get("steady_note")]  # experiments.steady: its median overstates its step time

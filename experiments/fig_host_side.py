@@ -4,13 +4,12 @@ registers it)."""
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 
 import pandas as pd
 
-from .claims import _num
+from .claims import _num, memory_limit
 from .style import *  # noqa: F403
 from .style import _band_positions, _fail_handle, _finish, _legend, _new_figure, _safe_max, _set_band_ylim  # noqa: F401
 
@@ -29,14 +28,6 @@ SERIES_MARKERS = ("o", "s", "^", "D", "v", "P")
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _settings_of(r) -> dict:
-    try:
-        s = json.loads(r.get("settings") or "{}")
-        return s if isinstance(s, dict) else {}
-    except (TypeError, ValueError):
-        return {}
-
-
 def _profile_number(hardware: str, prefix: str) -> float | None:
     """'cores-8' -> 8, 'link-16GBps' -> 16, 'host-64GB' -> 64 (None if the name is not of that form)."""
     m = re.match(re.escape(prefix) + r"(\d+(?:\.\d+)?)", str(hardware))
@@ -50,7 +41,7 @@ def _host_side_kind(r) -> str | None:
     for kind, prefix, _ in HOST_SIDE_PANELS:
         if str(r["hardware"]).startswith(prefix):
             return kind
-    s = _settings_of(r)
+    s = row_settings(r.get("settings"))
     if _num(s.get("host_link_gbps")):
         return "link"
     return None
@@ -90,10 +81,11 @@ def _series_name(model: str, variant: str, num_params) -> str:
 
 
 def _fail_reason(r) -> str:
-    """'skip: needs 102.6 GiB' (the host RAM the plan needs) or the status' short name."""
+    """'skip: needs 102.6 GiB' (a point not launched for memory: the report's rule, claims.memory_limit) or
+    the status' short name."""
     short = "no value" if r["status"] == "ok" else STATUS_SHORT.get(r["status"], r["status"] or "?")
-    m = re.search(r"needs\s+(\d+(?:\.\d+)?)\s*GiB", str(r.get("error") or ""))
-    return f"{short}: needs {m.group(1)} GiB" if m else short
+    lim = memory_limit(r)
+    return f"{short}: needs {lim.need:.1f} GiB" if lim is not None and lim.need is not None else short
 
 
 def _host_side_rows(df, results_dir=None):
@@ -103,8 +95,8 @@ def _host_side_rows(df, results_dir=None):
     df["_series"] = list(zip(df["model"].astype(str), df["variant"].astype(str)))
     df = df.drop_duplicates(subset=["_series", "hardware"], keep="last")
     real = df[df["_kind"] == "real"]
-    cores_all = [_num(_settings_of(r).get("cpu_cores")) for _, r in df[df["_kind"] != "cores"].iterrows()]
-    real_cores = next((c for c in (_num(_settings_of(r).get("cpu_cores")) for _, r in real.iterrows()) if c), None) \
+    cores_all = [_num(row_settings(r.get("settings")).get("cpu_cores")) for _, r in df[df["_kind"] != "cores"].iterrows()]
+    real_cores = next((c for c in (_num(row_settings(r.get("settings")).get("cpu_cores")) for _, r in real.iterrows()) if c), None) \
         or (max(c for c in cores_all if c) if any(cores_all) else None) \
         or next((REAL_HOST_CORES[h] for h in real["hardware"] if h in REAL_HOST_CORES), None)
     real_ram = _num(real["host_ram_gib"].max()) if not real.empty else None
@@ -114,7 +106,7 @@ def _host_side_rows(df, results_dir=None):
     def x_of(r, kind):
         if r["_kind"] == "real":
             return real_x[kind]
-        s = _settings_of(r)
+        s = row_settings(r.get("settings"))
         prefix = dict((k, p) for k, p, _ in HOST_SIDE_PANELS)[kind]
         if kind == "cores":
             return _num(s.get("cpu_cores")) or _profile_number(r["hardware"], prefix)
@@ -215,23 +207,14 @@ def fig_host_side(df, out, formats, results_dir=None):
                 unplaced.append(f"{name} {r['hardware']} ({_fail_reason(r)})")
             else:
                 marks.append((r["_series"], float(r[xcol]), _fail_reason(r), color))
-        # a reason that would run into its neighbour's (same band row, close x) goes on two lines
-        lo, hi = (math.log2(v) for v in ax.get_xlim())
-        frac = {m: (math.log2(m[1]) - lo) / max(hi - lo, 1e-9) for m in marks}
-        wide = {m: len(m[2]) * 0.057 / 4.5 for m in marks}  # text width, axes fraction (7.5 pt, ~4.5 in panel)
-        wrapped = set()
-        for key in fail_series:
-            row = sorted((m for m in marks if m[0] == key), key=lambda m: m[1])
-            for a, b in zip(row, row[1:]):
-                if frac[b] - frac[a] < (wide[a] + wide[b]) / 2 + 0.015:
-                    wrapped |= {a, b}
         for m in marks:
             key, x, reason, color = m
             y = band_y[key]
             ax.plot([x], [y], transform=trans, marker="x", color=color, markersize=8, mew=2.2, ls="none",
                     clip_on=False, zorder=5)
-            ax.annotate(reason.replace(": ", ":\n", 1) if m in wrapped else reason, (x, y), xycoords=trans,
-                        xytext=(0, 6), textcoords="offset points", fontsize=7 if m in wrapped else 7.5,
+            # "skip:\nneeds 102.6 GiB" on two lines: neighbours in the same band row never run into each other
+            ax.annotate(reason.replace(": ", ":\n", 1), (x, y), xycoords=trans,
+                        xytext=(0, 6), textcoords="offset points", fontsize=7,
                         color=color, ha="center", va="bottom", zorder=5, linespacing=0.95,
                         bbox=dict(fc="#f0f0f0", ec="none", alpha=0.9, pad=0.3))
         if okp.empty:

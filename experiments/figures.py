@@ -3,8 +3,6 @@ a new sweep shows up without editing this file. Each takes the sweep's rows (``e
 and writes ``<out>/<name>.<format>``."""
 from __future__ import annotations
 
-import json
-
 import math
 from pathlib import Path
 
@@ -430,10 +428,7 @@ def _paper_hardware(df) -> dict[tuple[float, str, str], float]:
 
 def _streaming_tag(settings) -> str:
     """" · pure streaming" for rows whose engine settings put no layer on the GPU tier (gpu_resident 0)."""
-    try:
-        return " · pure streaming" if str(json.loads(settings).get("gpu_resident")) == "0" else ""
-    except (TypeError, ValueError, AttributeError):
-        return ""
+    return " · pure streaming" if str(row_settings(settings).get("gpu_resident")) == "0" else ""
 
 
 def fig_ablation(df, out, formats):

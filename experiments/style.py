@@ -2,6 +2,7 @@
 with the environment, failure marks and legends. No torch; matplotlib imported lazily (Agg)."""
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -48,6 +49,15 @@ def variant_label(variant: str) -> str:
     import textwrap
 
     return "\n".join(textwrap.wrap(variant.replace("_", " "), 12)) or variant
+
+
+def row_settings(settings) -> dict:
+    """A row's ``settings`` column (the system's options as JSON) as a dict; {} when empty or unreadable."""
+    try:
+        s = json.loads(settings or "{}")
+    except (TypeError, ValueError):
+        return {}
+    return s if isinstance(s, dict) else {}
 
 
 def fmt_tokens(n: float) -> str:

@@ -286,26 +286,32 @@ def test_depth_figure_has_a_gpu_memory_panel_and_keeps_variants_apart(tmp_path):
     assert len(host_default[0]) == len(ok) and len(host_ps[0]) == len(ok)  # not one line through both
 
 
+def _plot_calls(draw) -> list[tuple[tuple, dict]]:
+    """(args, kwargs) of every ``Axes.plot`` call while ``draw()`` runs (the figure is closed after saving)."""
+    import matplotlib.axes
+
+    calls, orig = [], matplotlib.axes.Axes.plot
+
+    def spy(self, *a, **k):
+        calls.append((a, k))
+        return orig(self, *a, **k)
+
+    matplotlib.axes.Axes.plot = spy
+    try:
+        draw()
+    finally:
+        matplotlib.axes.Axes.plot = orig
+    return calls
+
+
 def test_a_system_that_only_failed_is_still_named_in_the_legend(tmp_path):
     """The size figure's band shows FSDP2 / Gemini as coloured × only: without a legend entry a reader
     cannot tell whose they are."""
     from experiments import figures
-    import matplotlib.axes
 
     df = schema.read_results(SAMPLE / "size" / "results.csv")
     df.loc[df["system"] == "gemini", ["status", "tflops"]] = ["host_oom", None]
-    labels = []
-    orig_plot = matplotlib.axes.Axes.plot
-
-    def spy_plot(self, *a, **k):
-        labels.append(k.get("label") or "")
-        return orig_plot(self, *a, **k)
-
-    matplotlib.axes.Axes.plot = spy_plot
-    try:
-        figures.fig_size_throughput(df, tmp_path, ("png",))
-    finally:
-        matplotlib.axes.Axes.plot = orig_plot
+    labels = [k.get("label") or "" for _, k in _plot_calls(lambda: figures.fig_size_throughput(df, tmp_path, ("png",)))]
     assert "Gemini: did not run (×)" in labels
     assert "MegaTrain" in labels and not any(lb.startswith("MegaTrain:") for lb in labels)
 
@@ -314,7 +320,6 @@ def test_hardware_figure_draws_the_papers_values_beside_ours(tmp_path):
     """The paper gives A100 numbers (MegaTrain 128 / 122 / 114 at 7B / 14B / 32B; ZeRO-3 and Gemini through
     its ratios, e.g. 128 / 3.56 = 36): each is drawn as a black tick on the matching system's slot."""
     from experiments import claims, figures
-    import matplotlib.axes
 
     pts = claims.paper_hardware_points()
     assert pts[(7.0, "A100-80GB", "megatrain")] == 128.0
@@ -322,19 +327,8 @@ def test_hardware_figure_draws_the_papers_values_beside_ours(tmp_path):
     assert pts[(14.0, "A100-80GB", "gemini")] == pytest.approx(122 / 8.13)
     df = schema.read_results(SAMPLE / "hardware" / "results.csv")
     df = df[df["hardware"] == "A100-80GB"]
-    ticks = []
-    orig_plot = matplotlib.axes.Axes.plot
-
-    def spy_plot(self, *a, **k):
-        if k.get("label") == "paper":
-            ticks.append(list(a[1]))
-        return orig_plot(self, *a, **k)
-
-    matplotlib.axes.Axes.plot = spy_plot
-    try:
-        figures.fig_hardware(df, tmp_path, ("png",))
-    finally:
-        matplotlib.axes.Axes.plot = orig_plot
+    ticks = [list(a[1]) for a, k in _plot_calls(lambda: figures.fig_hardware(df, tmp_path, ("png",)))
+             if k.get("label") == "paper"]
     drawn = {round(ys[0]) for ys in ticks}
     expected = {round(v) for (pb, hw, s), v in pts.items() if hw == "A100-80GB"
                 and ((df["system"] == s) & (df["model"].str.lower() == f"qwen2.5-{int(pb)}b")).any()}
@@ -345,22 +339,10 @@ def test_ablation_figure_draws_the_papers_values(tmp_path):
     """The paper's 14B ablation (full 266.3, no double buffering 182.9, ...): one dashed tick per variant
     that has a paper value, across its group of bars."""
     from experiments import claims, figures
-    import matplotlib.axes
 
     paper = claims.paper_ablation_points()
     assert paper["full"] == 266.3 and paper["no_double_buffer"] == 182.9
     df = schema.read_results(SAMPLE / "ablation" / "results.csv")
-    ticks = []
-    orig_plot = matplotlib.axes.Axes.plot
-
-    def spy_plot(self, *a, **k):
-        if k.get("ls") == "--" and k.get("color") == "black":
-            ticks.append(a[1][0])
-        return orig_plot(self, *a, **k)
-
-    matplotlib.axes.Axes.plot = spy_plot
-    try:
-        figures.fig_ablation(df, tmp_path, ("png",))
-    finally:
-        matplotlib.axes.Axes.plot = orig_plot
+    ticks = [a[1][0] for a, k in _plot_calls(lambda: figures.fig_ablation(df, tmp_path, ("png",)))
+             if k.get("ls") == "--" and k.get("color") == "black"]
     assert sorted(ticks) == sorted(v for k, v in paper.items() if k in set(df["variant"]))

@@ -3,7 +3,6 @@ experiments.phases: the engine's phase timers of those steps become the report's
 import json
 from pathlib import Path
 
-
 from experiments import schema
 from experiments.report import build_report
 from experiments.steady import falling_note, mark_unsteady, timed_step_times
