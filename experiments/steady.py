@@ -13,6 +13,7 @@ marks with a dagger; no number is changed.
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -24,12 +25,19 @@ DAGGER = "†"
 
 def timed_records(point_dir: Path) -> list[dict]:
     """The timed (non-warm-up) lines of ``point_dir/metrics.jsonl``, in order; [] when the file is missing
-    or unreadable."""
+    or unreadable. Read once per version of the file (the report asks twice: here and experiments.phases)."""
     path = Path(point_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
     try:
-        recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        st = path.stat()
+    except OSError:
+        return []
+    return _read_timed(str(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _read_timed(path: str, mtime_ns: int, size: int) -> list[dict]:  # (mtime, size): a rewritten file is re-read
+    try:
+        recs = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     except (OSError, ValueError):
         return []
     return [r for r in recs if isinstance(r, dict) and not r.get("warmup")]
