@@ -33,8 +33,15 @@
 #             plan-decided MLP chunk); size: Gemini 7B (clipped at 172 s: give it 300 s)
 #   zero3tok  size: MegaTrain 14B on the current engine (the row is 7140039's, 194 TFLOPS); tokens: ZeRO-3 at
 #             8K/32K/158K with 3 timed steps
+# Session 2026-12-01e (three calls, cheapest points first in each, the budget clips the rest; reruns resume):
+#   fillA     GPU tests (engine, link: the pin_in_place helper); all-on-GPU at 3B (size), 28 layers (depth),
+#             width 1x, context 1K/8K/32K; width 1.5x/2x/3x (every system: memory verdicts, MegaTrain
+#             where the plan holds it); MegaTrain context 2K/4K/16K/64K
+#   fillB     size: MegaTrain 14B on the current engine, ZeRO-3 3B again (3 timed steps after 2 warm-up);
+#             tokens: ZeRO-3 at 8K/32K/158K
+#   fillC     size: FSDP2 / Gemini at 3B; host_side: the points not reached; tokens: MegaTrain 158K again
 set -uo pipefail
-phase="${1:?usage: h200_repro.sh sweeps1|context|parity|engine|baselines|baselines3b|tokens|host_side|rest3b|rest7b|zero3tok}"
+phase="${1:?usage: h200_repro.sh sweeps1|context|parity|engine|baselines|baselines3b|tokens|host_side|rest3b|rest7b|zero3tok|fillA|fillB|fillC}"
 budget="${PHASE_BUDGET_S:-540}"
 : "${OUT:?set OUT}"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True MEGATRAIN_SITE=/tmp/site WHEELHOUSE_SKIP=megatrain
@@ -150,6 +157,31 @@ case "$phase" in
     run sweep=size 'only=[megatrain__*qwen2.5-14b*]' redo=true shared_init=false timeout_s=150  # was 7140039's engine
     run sweep=tokens system=zero3 'only=[*b8__*,*b158__*,*b32__*]' shared_init=true steps=3 warmup_steps=2 \
         timeout_s=180
+    ;;
+  fillA)
+    say "GPU tests first: the pin_in_place helper (cb2a9b6) changed every cudaHostRegister site"
+    timeout 150 python3 -m pytest -m gpu tests/test_engine_gpu.py tests/test_link.py -q -x -p no:cacheprovider \
+        >>"$log" 2>&1
+    say "pytest exit $?"
+    run sweep=size 'only=[native__*qwen2.5-3b*]' shared_init=false timeout_s=90
+    run sweep=depth 'only=[native__*L28__*]' shared_init=false timeout_s=90
+    run sweep=width 'only=[native__*w1__*,*w1.5__*,*w2__*,*w3__*]' shared_init=false timeout_s=150
+    run sweep=context 'only=[native__*s1024__*,native__*s8192__*,native__*s32768__*]' shared_init=false timeout_s=90
+    run sweep=context 'only=[megatrain__*s2048__*,megatrain__*s4096__*,megatrain__*s16384__*,megatrain__*s65536__*]' \
+        shared_init=false timeout_s=120
+    ;;
+  fillB)
+    run sweep=size 'only=[megatrain__*qwen2.5-14b*]' redo=true shared_init=false timeout_s=150  # was 7140039's engine
+    run sweep=size 'only=[zero3__*qwen2.5-3b*]' redo=true shared_init=true steps=3 warmup_steps=2 timeout_s=200
+    run sweep=tokens system=zero3 'only=[*b32__*,*b158__*,*b8__*]' shared_init=true steps=3 warmup_steps=2 \
+        timeout_s=180
+    ;;
+  fillC)
+    run sweep=size 'only=[fsdp__*qwen2.5-3b*,gemini__*qwen2.5-3b*]' shared_init=true steps=3 warmup_steps=1 \
+        timeout_s=200
+    run sweep=host_side timeout_s=240
+    run sweep=tokens system=megatrain 'only=[megatrain__*b158__*]' redo=true shared_init=false steps=2 \
+        warmup_steps=1 timeout_s=120
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
