@@ -177,6 +177,8 @@ case "$phase" in
         timeout_s=180
     ;;
   fillC)
+    run sweep=context 'only=[megatrain__*s2048__*,megatrain__*s4096__*,megatrain__*s16384__*,megatrain__*s65536__*]' \
+        shared_init=false timeout_s=120  # fillA's budget ran out before these
     run sweep=size 'only=[fsdp__*qwen2.5-3b*,gemini__*qwen2.5-3b*]' shared_init=true steps=3 warmup_steps=1 \
         timeout_s=200
     run sweep=host_side timeout_s=240
