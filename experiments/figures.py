@@ -302,6 +302,13 @@ def fig_context(df, out, formats):
                    FORMULA_NOTE + "\nGPU memory: gpu_peak_allocated_gib (peak memory allocated by PyTorch during the run).", out, "context", formats)
 
 
+def knee_point(part):
+    """The first point of one system's tokens curve (sorted by tokens per step) reaching 90 % of its max, or
+    None when that is its last measured point: a curve still rising at its end shows no plateau to reach."""
+    knee = part[part["tflops"] >= 0.9 * float(part["tflops"].max())].iloc[0]
+    return None if knee.name == part.index[-1] else knee
+
+
 def fig_tokens(df, out, formats):
     fig, (ax,) = _new_figure(width=7.8, height=5.0)
     info = _line_panel(ax, df, "tokens_per_step", "tflops", "training throughput (TFLOPS)")
@@ -311,9 +318,11 @@ def fig_tokens(df, out, formats):
         part = ok[ok["system"] == s].sort_values("tokens_per_step")
         if part.empty:
             continue
+        knee = knee_point(part)
+        if knee is None:
+            continue
         _, color, marker = _style(s)
         mx = float(part["tflops"].max())
-        knee = part[part["tflops"] >= 0.9 * mx].iloc[0]
         ax.plot([knee["tokens_per_step"]], [knee["tflops"]], marker="*", ms=17, color=color, mec="black",
                 mew=0.8, ls="none", zorder=6)
         ax.annotate(f"knee: {fmt_tokens(knee['tokens_per_step'])} tokens\n(≥90% of max {mx:.0f})",

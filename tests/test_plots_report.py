@@ -346,3 +346,11 @@ def test_ablation_figure_draws_the_papers_values(tmp_path):
     ticks = [a[1][0] for a, k in _plot_calls(lambda: figures.fig_ablation(df, tmp_path, ("png",)))
              if k.get("ls") == "--" and k.get("color") == "black"]
     assert sorted(ticks) == sorted(v for k, v in paper.items() if k in set(df["variant"]))
+
+
+def test_tokens_knee_only_where_the_curve_levels_off():
+    from experiments.figures import knee_point  # noqa: PLC0415
+    levels = pd.DataFrame({"tokens_per_step": [8192, 16384, 32768, 65536], "tflops": [250.0, 320.0, 340.0, 345.0]})
+    assert knee_point(levels)["tokens_per_step"] == 16384  # 320 >= 0.9 * 345, the first such point
+    rising = pd.DataFrame({"tokens_per_step": [8192, 32768], "tflops": [54.0, 188.0]})
+    assert knee_point(rising) is None  # its max is its last point: no plateau measured, no knee drawn
