@@ -136,6 +136,12 @@ class SweepConfig:
     # variant name -> system option overrides (merged over the system's options). Empty = one variant,
     # "default", with no overrides.
     variants: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    # Points whose sequences have at least this many tokens run ``long_steps`` measured steps after
+    # ``long_warmup_steps`` warm-up steps instead of the run's steps/warmup_steps (one 256K step of the 7B
+    # takes ~150 s: 3 + 1 of them would not fit one device call). 0 = every point runs the run's steps.
+    long_seq_from: int = 0
+    long_steps: int = 1
+    long_warmup_steps: int = 0
 
 
 @dataclass

@@ -268,6 +268,9 @@ def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name
             raise SweepError(f"seq_len and batch_size must be >= 1, got seq {s}, batch {b}")
         if cfg.micro_batches > b:
             raise SweepError(f"micro_batches ({cfg.micro_batches}) > batch_size ({b}) at seq {s}")
+    if int(sw.long_seq_from) < 0 or int(sw.long_steps) < 1 or int(sw.long_warmup_steps) < 0:
+        raise SweepError(f"long points: long_seq_from ({sw.long_seq_from}) must be >= 0, long_steps "
+                         f"({sw.long_steps}) >= 1 and long_warmup_steps ({sw.long_warmup_steps}) >= 0")
     max_pos = int(cfg.max_position_embeddings)
     optim = OptimConfig(**{**_container(cfg.optim), "betas": tuple(cfg.optim.betas)})
     common = dict(optim=optim, steps=int(cfg.steps), warmup_steps=int(cfg.warmup_steps), seed=int(cfg.seed),
@@ -299,6 +302,9 @@ def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name
                                 seen.add(pid)
                                 job_common = dict(common, gpus=int(hwe.get("gpus") or common["gpus"]),
                                                   torch_threads=torch_threads_for(cfg.torch_threads, hwe))
+                                if sw.long_seq_from and seq >= int(sw.long_seq_from):  # fewer, longer steps
+                                    job_common.update(steps=int(sw.long_steps),
+                                                      warmup_steps=int(sw.long_warmup_steps))
                                 if hwe.get("gpus") and _max_gpus(system) < job_common["gpus"]:
                                     continue  # a several-GPU profile: only systems that can use them
                                 points.append(Job(

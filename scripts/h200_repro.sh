@@ -39,9 +39,16 @@
 #             where the plan holds it); MegaTrain context 2K/4K/16K/64K
 #   fillB     size: MegaTrain 14B on the current engine, ZeRO-3 3B again (3 timed steps after 2 warm-up);
 #             tokens: ZeRO-3 at 8K/32K/158K
-#   fillC     size: FSDP2 / Gemini at 3B; host_side: the points not reached; tokens: MegaTrain 158K again
+#   fillC     context: MegaTrain 2K/4K/16K/64K (fillA ran out); size: FSDP2 / Gemini at 3B; host_side: the
+#             points not reached; tokens: MegaTrain 158K again
+# Left by 2026-12-01e (docs/reproduction.md, "Still missing"), one call each:
+#   fillD     context: all-on-GPU 2K/4K/16K/32K (32K was clipped at 27 s); tokens: ZeRO-3 158K (clipped at
+#             111 s), MegaTrain 158K again
+#   fillE     context: MegaTrain 128K/256K in the sweep (one step each: sweep.long_seq_from) and 512K's plan
+#             verdict; host_side: the points not reached
+#   fillF     size: Gemini 7B (clipped at 172 s: 300 s); host_side: what fillE left
 set -uo pipefail
-phase="${1:?usage: h200_repro.sh sweeps1|context|parity|engine|baselines|baselines3b|tokens|host_side|rest3b|rest7b|zero3tok|fillA|fillB|fillC}"
+phase="${1:?usage: h200_repro.sh sweeps1|context|parity|engine|baselines|baselines3b|tokens|host_side|rest3b|rest7b|zero3tok|fillA|fillB|fillC|fillD|fillE|fillF}"
 budget="${PHASE_BUDGET_S:-540}"
 : "${OUT:?set OUT}"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True MEGATRAIN_SITE=/tmp/site WHEELHOUSE_SKIP=megatrain
@@ -184,6 +191,22 @@ case "$phase" in
     run sweep=host_side timeout_s=240
     run sweep=tokens system=megatrain 'only=[megatrain__*b158__*]' redo=true shared_init=false steps=2 \
         warmup_steps=1 timeout_s=120
+    ;;
+  fillD)
+    run sweep=context 'only=[native__*s2048__*,native__*s4096__*,native__*s16384__*,native__*s32768__*]' \
+        shared_init=false timeout_s=120
+    run sweep=tokens system=zero3 'only=[*b158__*]' shared_init=true steps=3 warmup_steps=2 timeout_s=280
+    run sweep=tokens system=megatrain 'only=[megatrain__*b158__*]' redo=true shared_init=false steps=2 \
+        warmup_steps=1 timeout_s=120
+    ;;
+  fillE)
+    run sweep=context 'only=[megatrain__*s131072__*,megatrain__*s262144__*,megatrain__*s524288__*]' \
+        shared_init=false timeout_s=260
+    run sweep=host_side timeout_s=240
+    ;;
+  fillF)
+    run sweep=size 'only=[gemini__*qwen2.5-7b*]' shared_init=true steps=2 warmup_steps=1 timeout_s=300
+    run sweep=host_side timeout_s=240
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -55,7 +55,7 @@ def test_cuda_bf16_tracks_reference(grads):
     data = [synthetic_batch(spec.vocab_size, 8, 128, 1, s) for s in range(8)]
     tiers = dict(gpu_resident="0", grad_placement="host") if grads == "host" else {}  # "host": all streamed
     engine = MegaTrain.from_config(hf, EngineConfig(device="cuda", micro_batches=1, optim=OPTIM, **tiers),
-                                   verbose=False)
+                                   verbose=False, tokens_per_step=8 * 128, seq_len=128)  # the batch below
     init = {k: v.clone() for k, v in engine.state_dict().items()}
     losses = [engine.step(b).loss for b in data]
     engine.close()

@@ -76,6 +76,12 @@ def test_paper_axes(compose_fn):
     assert [p.batch_size for p in mt] == [16, 8, 4, 2, 1, 1, 1, 1, 1, 1]
     assert all(p.spec["max_position_embeddings"] == 524288 for p in pts)  # every system, the same override
     assert {p.options["max_position_embeddings"] for p in mt} == {524288}
+    # from 128K on: one measured step, no warm-up; shorter points keep the run's 3 + 1
+    assert [(p.steps, p.warmup_steps) for p in mt] == [(3, 1)] * 7 + [(1, 0)] * 3
+    _, pts = expand(compose_fn, "sweep=context", "sweep.long_seq_from=0")
+    assert {(p.steps, p.warmup_steps) for p in pts} == {(3, 1)}
+    with pytest.raises(sweeps.SweepError, match="long_steps"):
+        expand(compose_fn, "sweep=context", "sweep.long_steps=0")
 
     _, pts = expand(compose_fn, "sweep=tokens")
     mt = [p for p in pts if p.system == "megatrain"]
