@@ -72,7 +72,8 @@ class MegaTrainSystem:
 
     def phase_times(self) -> dict[str, float]:
         """The last step's phase timings and counters (``MegaTrain.stats``: host wall time per phase,
-        ``optimizer_exposed_s`` = time the step waited for the host AdamW, ``host_update_busy_s``, ...)."""
+        ``optimizer_exposed_s`` = time the step waited for the host AdamW, ``host_update_busy_s``,
+        ``gpu_load_wait_s`` = GPU time the compute stream stalled on layer loads, ...)."""
         return dict(self.engine.stats)
 
     def state_dict(self):

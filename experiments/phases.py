@@ -9,7 +9,10 @@ ends at the step's only full sync, so
     forward_s + loss_s + backward_s + grad_norm_s + optimizer_launch_s = step time (host side)
 
 ``optimizer_exposed_s`` is the part of the step spent waiting for the host-tier AdamW (not hidden under
-the backward); ``host_update_busy_s`` is the AdamW worker's own busy time in the step. This module takes
+the backward); ``host_update_busy_s`` is the AdamW worker's own busy time in the step;
+``gpu_load_wait_s`` is GPU time, not host time: how long the compute stream stalled waiting for layer
+loads (timing events around each wait, megatrain/streams.py ``WaitTimer``). A phase much longer than its
+compute with a small GPU wait means the GPU waited for the host's launches instead. This module takes
 the median of each over a row's timed steps; the report prints them for every ok row that has them.
 """
 from __future__ import annotations
@@ -21,10 +24,10 @@ import pandas as pd
 from .steady import timed_records
 
 SPLIT = ("forward_s", "loss_s", "backward_s", "grad_norm_s", "optimizer_launch_s")  # sums to the step
-EXTRA = ("optimizer_exposed_s", "host_update_busy_s")                                 # inside the split
+EXTRA = ("optimizer_exposed_s", "host_update_busy_s", "gpu_load_wait_s")              # inside the split
 LABELS = {"forward_s": "forward", "loss_s": "loss", "backward_s": "backward", "grad_norm_s": "grad norm",
           "optimizer_launch_s": "optimizer tail", "optimizer_exposed_s": "host AdamW exposed",
-          "host_update_busy_s": "host AdamW busy"}
+          "host_update_busy_s": "host AdamW busy", "gpu_load_wait_s": "GPU waited for loads"}
 
 
 def phase_medians(point_dir: Path) -> dict[str, float]:
@@ -60,7 +63,9 @@ def report_lines(results_dir, frames: dict) -> list[str]:
              "Medians over the timed steps of the engine's phase timers (host wall time between the marks in "
              "`MegaTrain.step`; the five phases from forward to optimizer tail add up to the step). *host AdamW "
              "exposed* is the time the step waited for the host-tier optimizer, i.e. what the backward did not "
-             "hide; *host AdamW busy* is the optimizer worker's own time in the step (`experiments/phases.py`).",
+             "hide; *host AdamW busy* is the optimizer worker's own time in the step; *GPU waited for loads* is GPU "
+             "time the compute stream stalled on layer loads (— in rows measured before this timer) "
+             "(`experiments/phases.py`).",
              "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in body]
     return lines + [""]

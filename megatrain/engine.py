@@ -259,7 +259,9 @@ class MegaTrain:
     def _counters(self) -> dict[str, float]:
         """Cumulative counters whose per-step differences go into ``stats``."""
         h = self.host_opt
-        return dict(h2d_loads=self.pool.loads, optimizer_exposed_s=h.wait_s, host_update_busy_s=h.busy_s,
+        # load_wait.settle(): the step's last timing events are complete here (the step ends with a sync)
+        return dict(h2d_loads=self.pool.loads, gpu_load_wait_s=self.pool.load_wait.settle(),
+                    optimizer_exposed_s=h.wait_s, host_update_busy_s=h.busy_s,
                     early_groups=h.early_groups, rollbacks=h.rollbacks,
                     d2h_bytes=self.grad_stream.bytes_d2h + self.grad_home.bytes_d2h)
 

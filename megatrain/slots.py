@@ -21,7 +21,7 @@ from torch import nn
 
 from .link import NULL_LINK
 from .store import Group, ModelStore, views
-from .streams import StreamSet
+from .streams import StreamSet, WaitTimer
 
 
 class Slot:
@@ -87,6 +87,7 @@ class SlotPool:
         src_dtype = host_srcs[0].dtype if host_srcs else dtype
         self.staging = torch.empty(numel, device=device, dtype=src_dtype) if src_dtype != dtype else None
         self.loads = 0  # bulk H2D copies issued (reused slots don't count)
+        self.load_wait = WaitTimer(streams)  # GPU time compute spent waiting for slot loads (stats)
         self._queue: deque[int] = deque()
         self._issued: deque[tuple[int, Slot]] = deque()
 
@@ -107,6 +108,7 @@ class SlotPool:
             s.layer = None
         self._issued.clear()
         self._queue.clear()
+        self.load_wait.discard()
 
     def acquire(self, layer: int) -> Slot:
         """The slot holding ``layer`` (the next use in the schedule). Compute waits for its load."""
@@ -117,8 +119,9 @@ class SlotPool:
         expected, slot = self._issued.popleft()
         if expected != layer:
             raise RuntimeError(f"slot pool: schedule expected layer {expected}, got a request for {layer}")
-        # Compute must not read the slot before its H2D copy (and cast) has landed.
-        self.streams.compute.wait_event(slot.ready)
+        # Compute must not read the slot before its H2D copy (and cast) has landed; the timer measures how
+        # long the compute stream stalls here (the link or the load's own waits, not compute, bound it then).
+        self.load_wait.wait(self.streams.compute, slot.ready)
         return slot
 
     def release(self, slot: Slot) -> None:

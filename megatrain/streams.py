@@ -70,3 +70,42 @@ class StreamSet:
     def synchronize(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
+
+
+class WaitTimer:
+    """GPU time a stream spends blocked in ``wait_event``: a timing event is recorded on the stream just
+    before the wait and one just after, so the first completes when the stream reaches the wait and the
+    second when it passes it; their elapsed time is the stall (0 when the awaited work was already done).
+    Elapsed times are read in ``settle``, after a sync that covers them. On CPU nothing waits: 0.
+    ``make_event`` builds a timing event (tests pass a fake)."""
+
+    def __init__(self, streams: StreamSet, make_event=None):
+        if make_event is None and streams.cuda:
+            make_event = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+        self._make = make_event
+        self._pending: list[tuple[object, object]] = []
+        self.total_s = 0.0  # cumulative over settled waits (the engine reports per-step differences)
+
+    def wait(self, stream, event) -> None:
+        if self._make is None:
+            stream.wait_event(event)
+            return
+        before = self._make()
+        before.record(stream)
+        stream.wait_event(event)
+        after = self._make()
+        after.record(stream)
+        self._pending.append((before, after))
+
+    def settle(self) -> float:
+        """Add the recorded waits to ``total_s`` and return it. Call after a sync of the stream: each
+        ``synchronize`` below then returns at once (it only guards against a caller that did not sync)."""
+        for before, after in self._pending:
+            after.synchronize()
+            self.total_s += before.elapsed_time(after) / 1e3  # elapsed_time is in milliseconds
+        self._pending.clear()
+        return self.total_s
+
+    def discard(self) -> None:
+        """Forget unsettled waits (a failed step: its events may never complete)."""
+        self._pending.clear()

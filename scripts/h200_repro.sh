@@ -42,7 +42,7 @@
 #   fillC     context: MegaTrain 2K/4K/16K/64K (fillA ran out); size: FSDP2 / Gemini at 3B; host_side: the
 #             points not reached; tokens: MegaTrain 158K again
 # Left by 2026-12-01e (docs/reproduction.md, "Still missing"), one call each:
-#   fillD     context: all-on-GPU 2K/4K/16K/32K (32K was clipped at 27 s); tokens: ZeRO-3 158K (clipped at
+#   fillD     GPU tests (the load-wait timer); context: all-on-GPU 2K/4K/16K/32K (32K was clipped at 27 s); tokens: ZeRO-3 158K (clipped at
 #             111 s), MegaTrain 158K again
 #   fillE     context: MegaTrain 128K/256K in the sweep (one step each: sweep.long_seq_from) and 512K's plan
 #             verdict; host_side: the points not reached
@@ -193,6 +193,9 @@ case "$phase" in
         warmup_steps=1 timeout_s=120
     ;;
   fillD)
+    say "GPU tests first: the GPU load-wait timer (streams.WaitTimer) is new in every CUDA step"
+    timeout 150 python3 -m pytest -m gpu tests/test_engine_gpu.py -q -x -p no:cacheprovider >>"$log" 2>&1
+    say "pytest exit $?"
     run sweep=context 'only=[native__*s2048__*,native__*s4096__*,native__*s16384__*,native__*s32768__*]' \
         shared_init=false timeout_s=120
     run sweep=tokens system=zero3 'only=[*b158__*]' shared_init=true steps=3 warmup_steps=2 timeout_s=280

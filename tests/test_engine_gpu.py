@@ -61,3 +61,17 @@ def test_cuda_bf16_tracks_reference(grads):
     engine.close()
     ref_losses, _ = reference_train(reference_model(hf, init), data, OPTIM, 1)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
+
+
+def test_cuda_load_wait_timer_is_a_part_of_the_step():
+    """The GPU-side stall timer (streams.WaitTimer around each slot wait) reads real timing events: every
+    step reports a wait between 0 and the step's own time, and streaming all layers does load them."""
+    spec = PRESETS["tiny-qwen2"]
+    engine = MegaTrain.from_config(spec.to_hf_config("sdpa"),
+                                   EngineConfig(device="cuda", num_slots=2, gpu_resident="0", optim=OPTIM),
+                                   verbose=False, tokens_per_step=4 * 128, seq_len=128)
+    for s in range(3):
+        engine.step(synthetic_batch(spec.vocab_size, 4, 128, 1, s))
+        st = engine.stats
+        assert st["h2d_loads"] > 0 and 0.0 <= st["gpu_load_wait_s"] <= st["step_s"], st
+    engine.close()
