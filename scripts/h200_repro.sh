@@ -46,7 +46,8 @@
 #             111 s), MegaTrain 158K again
 #   fillE     context: MegaTrain 128K/256K in the sweep (one step each: sweep.long_seq_from) and 512K's plan
 #             verdict; host_side: the points not reached
-#   fillF     size: Gemini 7B (clipped at 172 s: 300 s); host_side: what fillE left
+#   fillF     size: MegaTrain 14B again (now with the GPU load-wait timer), Gemini 7B (clipped at 172 s:
+#             300 s); host_side: what fillE left
 set -uo pipefail
 phase="${1:?usage: h200_repro.sh sweeps1|context|parity|engine|baselines|baselines3b|tokens|host_side|rest3b|rest7b|zero3tok|fillA|fillB|fillC|fillD|fillE|fillF}"
 budget="${PHASE_BUDGET_S:-540}"
@@ -208,6 +209,7 @@ case "$phase" in
     run sweep=host_side timeout_s=240
     ;;
   fillF)
+    run sweep=size 'only=[megatrain__*qwen2.5-14b*]' redo=true shared_init=false timeout_s=150  # with gpu_load_wait_s
     run sweep=size 'only=[gemini__*qwen2.5-7b*]' shared_init=true steps=2 warmup_steps=1 timeout_s=300
     run sweep=host_side timeout_s=240
     ;;
