@@ -44,7 +44,8 @@
 # Left by 2026-12-01e (docs/reproduction.md, "Still missing"), one call each:
 #   fillD     GPU tests (the load-wait timer); context: all-on-GPU 2K/4K/16K/32K (32K was clipped at 27 s); tokens: ZeRO-3 158K (clipped at
 #             111 s), MegaTrain 158K again
-#   fillE     context: MegaTrain 128K/256K in the sweep (one step each: sweep.long_seq_from) and 512K's plan
+#   fillE     depth: all-on-GPU and pure streaming at 42/56 layers (memory verdicts, or rows where the plan
+#             holds them); context: MegaTrain 128K/256K in the sweep (one step each: sweep.long_seq_from) and 512K's plan
 #             verdict; host_side: the points not reached
 #   fillF     size: MegaTrain 14B again (now with the GPU load-wait timer), Gemini 7B (clipped at 172 s:
 #             300 s); host_side: what fillE left
@@ -204,6 +205,9 @@ case "$phase" in
         warmup_steps=1 timeout_s=120
     ;;
   fillE)
+    run sweep=depth 'only=[native__*L42__*,native__*L56__*]' shared_init=false timeout_s=60  # memory verdicts
+    run sweep=depth system=megatrain '+sweep.variants={pure_streaming:{gpu_resident:"0"}}' \
+        'only=[*L42__*pure*,*L56__*pure*]' shared_init=false steps=2 warmup_steps=1 timeout_s=150
     run sweep=context 'only=[megatrain__*s131072__*,megatrain__*s262144__*,megatrain__*s524288__*]' \
         shared_init=false timeout_s=260
     run sweep=host_side timeout_s=240
