@@ -20,7 +20,7 @@ import yaml
 from baselines.registry import record
 
 from .schema import KNOWN_SWEEPS as SWEEPS, SAMPLE_GPU, SAMPLE_SHA, fill_x_from_point
-from .style import STATUS_SHORT, TB_1_5_GIB
+from .style import STATUS_SHORT, TB_1_5_GIB, status_short
 
 CLAIMS_PATH = Path(__file__).parent / "data" / "paper_claims.yaml"
 ROOT = Path(__file__).resolve().parents[1]  # evidence files are relative to the repository root
@@ -230,7 +230,7 @@ def _where_text(r: pd.Series) -> str:
 
 
 def _status_text(r: pd.Series) -> str:
-    st = STATUS_SHORT.get(r["status"], r["status"])
+    st = status_short(r)
     err = str(r.get("error") or "").strip()
     return f"{st}" + (f" ({_short(err, 70)})" if err else "")
 
@@ -398,6 +398,11 @@ def _host_oom_limit(r) -> MemoryLimit | None:
     return None
 
 
+def _budget_cut_verdict() -> str:
+    """The row's point was stopped by the run's time budget, not by its own timeout: nothing to judge yet."""
+    return "not measured (budget cut: the run's time_budget_s stopped the point; a rerun retries it)"
+
+
 def _host_oom_verdict(r, who: str) -> str:
     """A baseline killed for host RAM: the paper's host had more, so its ratio cannot be judged here.
     With the engine's estimate over the host's RAM the estimate is the need; otherwise (a system that uses
@@ -539,8 +544,9 @@ def _failed(out: dict, r: pd.Series, who: str = "") -> dict:
     elif r["status"] == "skipped":
         out["verdict"] = "not measured (skipped)"
     else:
-        st = STATUS_SHORT.get(r["status"], r["status"])
-        out["verdict"] = f"missed ({who} did not run)" if who else f"missed ({st})"
+        st = status_short(r)
+        out["verdict"] = (_budget_cut_verdict() if st == "budget cut" else
+                          f"missed ({who} did not run)" if who else f"missed ({st})")
     return out
 
 
@@ -564,7 +570,7 @@ def _absolute(c: _Ctx, paper_hw: str) -> dict:
         if z["status"] == "ok" and pd.notna(z[metric]) and z[metric] > 0:
             txt += f" (= {ours / float(z[metric]):.2f}× ZeRO-3{where})"
         else:
-            txt += f" (ZeRO-3{where}: {STATUS_SHORT.get(z['status'], z['status'])})"
+            txt += f" (ZeRO-3{where}: {status_short(z)})"
     out["ours"] = f"{txt} [{_where_text(r)}]"
     v = _value_verdict(ours, float(claim["paper"]), c.tol, bool(claim.get("paper_min")))
     out["verdict"] = f"not comparable (emulated profile, H200 compute; {v})" if c.emulated else v
@@ -586,7 +592,7 @@ def _ratio(c: _Ctx, paper_hw: str) -> dict:
         return out
     other = _other_run(r, b)
     if b["status"] != "ok" or pd.isna(b[metric]) or b[metric] <= 0:
-        st = STATUS_SHORT.get(b["status"], b["status"])
+        st = status_short(b)
         lim = memory_limit(b)
         out["ours"] = f"{r[metric]:.1f} {unit} vs {bname} {st}{other} → ∞ [{_where_text(r)}]"
         if lim is not None:
@@ -711,7 +717,7 @@ def _trains(c: _Ctx, paper_hw: str) -> dict:
     elif r["status"] == "skipped":
         out["verdict"] = "not measured (skipped)"
     else:
-        out["verdict"] = f"missed ({STATUS_SHORT.get(r['status'], r['status'])})"
+        out["verdict"] = _budget_cut_verdict() if status_short(r) == "budget cut" else f"missed ({status_short(r)})"
     return out
 
 

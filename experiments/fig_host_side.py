@@ -83,7 +83,7 @@ def _series_name(model: str, variant: str, num_params) -> str:
 def _fail_reason(r) -> str:
     """'skip: needs 102.6 GiB' (a point not launched for memory: the report's rule, claims.memory_limit) or
     the status' short name."""
-    short = "no value" if r["status"] == "ok" else STATUS_SHORT.get(r["status"], r["status"] or "?")
+    short = "no value" if r["status"] == "ok" else status_short(r)
     lim = memory_limit(r)
     return f"{short}: needs {lim.need:.1f} GiB" if lim is not None and lim.need is not None else short
 

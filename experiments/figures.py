@@ -32,9 +32,9 @@ def _system_bars(ax, df, ycol: str, ylabel: str, fmt: str = "{:,.0f}"):
             ax.annotate(fmt.format(v), (i, v), xytext=(0, 3), textcoords="offset points", ha="center",
                         fontsize=8)
         else:
-            st = rows["status"].iloc[0] if not rows.empty else "?"
+            st = status_short(rows.iloc[0]) if not rows.empty else "?"
             ax.plot([i], [top * 0.04], marker="x", color=color, ms=10, mew=2.5, zorder=4)
-            ax.annotate(STATUS_SHORT.get(st, st), (i, top * 0.04), xytext=(0, 8), textcoords="offset points",
+            ax.annotate(st, (i, top * 0.04), xytext=(0, 8), textcoords="offset points",
                         ha="center", fontsize=8, color=color, fontweight="bold")
     ax.set_xticks(list(range(len(systems))))
     ax.set_xticklabels([system_label(s, df, short=True) for s in systems])
@@ -341,12 +341,12 @@ def fig_tokens(df, out, formats):
     return _finish(fig, df, f"Throughput vs tokens per step ({models})", FORMULA_NOTE, out, "tokens", formats)
 
 
-def _bar_fail(ax, x, top, status, color, label_above: float | None = None):
+def _bar_fail(ax, x, top, row, color, label_above: float | None = None):
     """× at the bottom of a bar's slot, its status written upwards from it (or from ``label_above``, to
     clear something drawn in the slot, e.g. the paper's value)."""
     ax.plot([x], [top * 0.03], marker="x", color=color, ms=9, mew=2.2, zorder=4)
     y, dy = (top * 0.03, 6) if label_above is None else (label_above, 16)
-    ax.annotate(STATUS_SHORT.get(status, status), (x, y), xytext=(0, dy), textcoords="offset points",
+    ax.annotate(status_short(row), (x, y), xytext=(0, dy), textcoords="offset points",
                 ha="center", va="bottom", fontsize=7, color=color, fontweight="bold", rotation=90)
 
 
@@ -390,7 +390,7 @@ def fig_hardware(df, out, formats):
                     ax.annotate(f"{r['tflops']:.0f}", (x, r["tflops"]), xytext=(0, 2), textcoords="offset points",
                                 ha="center", fontsize=6.5)
                 else:
-                    _bar_fail(ax, x, top, r["status"], color, label_above=pv)
+                    _bar_fail(ax, x, top, r, color, label_above=pv)
                 if pv is not None:  # the paper's value for this system, model and GPU, on our bar's slot
                     ax.plot([x - width * 0.46, x + width * 0.46], [pv, pv], color="black", lw=2.2, zorder=5,
                             solid_capstyle="butt", label="paper")
@@ -477,7 +477,7 @@ def fig_ablation(df, out, formats):
                             fontsize=8 if len(setups) < 3 else 6.5, zorder=7,  # over the paper's tick
                             bbox=dict(fc="white", ec="none", alpha=0.8, pad=0.2))
             else:
-                _bar_fail(ax, x, top, r["status"], color)
+                _bar_fail(ax, x, top, r, color)
     from .claims import paper_ablation_points
 
     paper = paper_ablation_points()
@@ -525,7 +525,7 @@ def fig_generic(df, out, formats, name: str):
             if r["status"] == "ok" and pd.notna(r[metric]):
                 ax.bar(x, float(r[metric]), width=width * 0.9, color=color, zorder=3, label=label if i == 0 else None)
             else:
-                _bar_fail(ax, x, top, r["status"], color)
+                _bar_fail(ax, x, top, r, color)
     ax.set_xticks(range(len(setups)))
     ax.set_xticklabels([s.replace("__", "\n") for s in setups], fontsize=7)
     ax.set_ylim(0, top * 1.2)

@@ -27,7 +27,7 @@ from .figures import figures_for
 from .steady import DAGGER, FALL_TOL, mark_unsteady, unsteady_rows
 from .schema import (KNOWN_SWEEPS as SWEEPS, SAMPLE_GPU, SAMPLE_SHA, fill_x_from_point, formula_tflops,
                      load_results, report_errors)
-from .style import STATUS_SHORT, TFLOPS_FORMULA, fmt_params, fmt_tokens, on_cpu
+from .style import TFLOPS_FORMULA, fmt_params, fmt_tokens, on_cpu, status_short
 
 SECTION_TITLES = {
     "size": "Model size (headline numbers)",
@@ -156,7 +156,7 @@ def _cell(r: pd.Series, metric: str) -> str:
     if r["status"] == "ok" and pd.notna(r[metric]):
         v = float(r[metric])
         return (f"{v:,.0f}" if v >= 100 else f"{v:.1f}") + _dagger(r)
-    return f"*{STATUS_SHORT.get(r['status'], r['status'])}*"
+    return f"*{status_short(r)}*"
 
 
 def _sweep_table(sweep: str, df: pd.DataFrame) -> list[str]:

@@ -206,7 +206,7 @@ def run(cfg) -> dict:
             bar.write(f"{tag} [run]     {job.id}")
             result = L.launch(job, timeout=timeout, init_timeout=init_timeout, log=lambda m: bar.write(m))
             if result.get("status") == "timeout" and timeout < cfg.timeout_s:
-                result["error"] += " (clipped by time_budget_s; a rerun retries it)"
+                result["error"] += f" ({schema.BUDGET_CUT}; a rerun retries it)"
             counts["launched"] += 1
         row = L.to_row(job, result, env)
         schema.append_row(csv_path, schema.make_row(**row))

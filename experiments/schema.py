@@ -34,6 +34,9 @@ SAMPLE_SHA = "sample"  # rows of test fixtures / sample data (git_sha or gpu_nam
 SAMPLE_GPU = "sample-data"
 STATUSES = ("ok", "skipped", "gpu_oom", "host_oom", "timeout", "error")
 DONE_STATUSES = ("ok", "skipped")  # not re-run on a rerun unless redo=true
+# Appended by experiments/run.py to the error of a timeout that the run's time_budget_s cut short (the point's
+# own timeout_s was not reached): figures and the report call such a row "budget cut", not a timeout.
+BUDGET_CUT = "clipped by time_budget_s"
 
 STRING_COLUMNS = frozenset({
     "sweep", "point", "system", "variant", "status", "error", "model", "family", "hardware", "emulated",

@@ -11,7 +11,7 @@ import pandas as pd
 from baselines.registry import SYSTEM_RECORDS, SYSTEMS as REGISTERED_SYSTEMS, record
 
 from .config import H200_PEAK_TFLOPS, HARDWARE_ORDER  # noqa: F401  (re-exported for the figures)
-from .schema import fill_x_from_point, is_sample
+from .schema import BUDGET_CUT, fill_x_from_point, is_sample
 
 SWEEPS = ("smoke", "baselines", "size", "depth", "width", "context", "hardware", "ablation", "tokens")
 FAILED = ("skipped", "gpu_oom", "host_oom", "timeout", "error")
@@ -23,6 +23,16 @@ SYSTEM_COLOR = {n: r.colour for n, r in SYSTEM_RECORDS.items()}
 SYSTEM_MARKER = {n: r.marker for n, r in SYSTEM_RECORDS.items()}
 STATUS_SHORT = {"skipped": "skip", "gpu_oom": "OOM", "host_oom": "host OOM", "timeout": "timeout",
                 "error": "error"}
+
+
+def status_short(r) -> str:
+    """A failed row's status for tables, figures and verdicts. A timeout that the run's ``time_budget_s``
+    cut short (not the point's own ``timeout_s``) is "budget cut": the system never got its full time, so
+    it is not a timeout of that system."""
+    st = r.get("status")
+    if st == "timeout" and BUDGET_CUT in str(r.get("error") or ""):
+        return "budget cut"
+    return STATUS_SHORT.get(st, st or "?")
 TB_1_5_GIB = 1.5e12 / 2**30  # "1.5 TB" host of the paper, decimal TB -> GiB (1397 GiB)
 ADAM_BYTES_PER_PARAM = 12  # fp32 master + Adam m + v
 
@@ -212,11 +222,11 @@ def _mark_failures(ax, fails: dict[str, pd.DataFrame], xcol: str, systems: list[
             x = r[xcol]
             if pd.isna(x):  # no x value anywhere for this point: list it rather than drop it
                 unplaced.append(f"{record(system).short} {r['point']} "
-                                f"({STATUS_SHORT.get(r['status'], r['status'])})")
+                                f"({status_short(r)})")
                 continue
             ax.plot([x], [y], transform=trans, marker="x", color=color, markersize=7, mew=2, ls="none",
                     clip_on=False, zorder=5)
-            ax.annotate(STATUS_SHORT.get(r["status"], r["status"]), (x, y), xycoords=trans,
+            ax.annotate(status_short(r), (x, y), xycoords=trans,
                         xytext=(4, 0), textcoords="offset points", fontsize=7, color=color,
                         va="center", ha="left", zorder=5)
     if unplaced:

@@ -354,3 +354,14 @@ def test_tokens_knee_only_where_the_curve_levels_off():
     assert knee_point(levels)["tokens_per_step"] == 16384  # 320 >= 0.9 * 345, the first such point
     rising = pd.DataFrame({"tokens_per_step": [8192, 32768], "tflops": [54.0, 188.0]})
     assert knee_point(rising) is None  # its max is its last point: no plateau measured, no knee drawn
+
+
+def test_a_timeout_cut_by_the_runs_budget_is_not_called_a_timeout():
+    from experiments.claims import _budget_cut_verdict  # noqa: PLC0415
+    from experiments.style import status_short  # noqa: PLC0415
+    own = {"status": "timeout", "error": "timeout: the point process exceeded 300s and was terminated"}
+    cut = {"status": "timeout", "error": f"timeout: the point process exceeded 27s ({schema.BUDGET_CUT}; a rerun "
+                                         "retries it)"}
+    assert status_short(own) == "timeout" and status_short(cut) == "budget cut"
+    assert status_short({"status": "host_oom", "error": ""}) == "host OOM"
+    assert _budget_cut_verdict().startswith("not measured")
