@@ -398,9 +398,8 @@ def _host_oom_limit(r) -> MemoryLimit | None:
     return None
 
 
-def _budget_cut_verdict() -> str:
-    """The row's point was stopped by the run's time budget, not by its own timeout: nothing to judge yet."""
-    return "not measured (budget cut: the run's time_budget_s stopped the point; a rerun retries it)"
+# The row's point was stopped by the run's time budget, not by its own timeout: nothing to judge yet.
+BUDGET_CUT_VERDICT = "not measured (budget cut: the run's time_budget_s stopped the point; a rerun retries it)"
 
 
 def _host_oom_verdict(r, who: str) -> str:
@@ -545,7 +544,7 @@ def _failed(out: dict, r: pd.Series, who: str = "") -> dict:
         out["verdict"] = "not measured (skipped)"
     else:
         st = status_short(r)
-        out["verdict"] = (_budget_cut_verdict() if st == "budget cut" else
+        out["verdict"] = (BUDGET_CUT_VERDICT if st == "budget cut" else
                           f"missed ({who} did not run)" if who else f"missed ({st})")
     return out
 
@@ -717,7 +716,7 @@ def _trains(c: _Ctx, paper_hw: str) -> dict:
     elif r["status"] == "skipped":
         out["verdict"] = "not measured (skipped)"
     else:
-        out["verdict"] = _budget_cut_verdict() if status_short(r) == "budget cut" else f"missed ({status_short(r)})"
+        out["verdict"] = BUDGET_CUT_VERDICT if status_short(r) == "budget cut" else f"missed ({status_short(r)})"
     return out
 
 

@@ -23,16 +23,6 @@ SYSTEM_COLOR = {n: r.colour for n, r in SYSTEM_RECORDS.items()}
 SYSTEM_MARKER = {n: r.marker for n, r in SYSTEM_RECORDS.items()}
 STATUS_SHORT = {"skipped": "skip", "gpu_oom": "OOM", "host_oom": "host OOM", "timeout": "timeout",
                 "error": "error"}
-
-
-def status_short(r) -> str:
-    """A failed row's status for tables, figures and verdicts. A timeout that the run's ``time_budget_s``
-    cut short (not the point's own ``timeout_s``) is "budget cut": the system never got its full time, so
-    it is not a timeout of that system."""
-    st = r.get("status")
-    if st == "timeout" and BUDGET_CUT in str(r.get("error") or ""):
-        return "budget cut"
-    return STATUS_SHORT.get(st, st or "?")
 TB_1_5_GIB = 1.5e12 / 2**30  # "1.5 TB" host of the paper, decimal TB -> GiB (1397 GiB)
 ADAM_BYTES_PER_PARAM = 12  # fp32 master + Adam m + v
 
@@ -59,6 +49,16 @@ def variant_label(variant: str) -> str:
     import textwrap
 
     return "\n".join(textwrap.wrap(variant.replace("_", " "), 12)) or variant
+
+
+def status_short(r) -> str:
+    """A failed row's status for tables, figures and verdicts. A timeout that the run's ``time_budget_s``
+    cut short (not the point's own ``timeout_s``) is "budget cut": the system never got its full time, so
+    it is not a timeout of that system."""
+    st = r.get("status")
+    if st == "timeout" and BUDGET_CUT in str(r.get("error") or ""):
+        return "budget cut"
+    return STATUS_SHORT.get(st, st or "?")
 
 
 def row_settings(settings) -> dict:

@@ -47,16 +47,16 @@ class StreamSet:
         else:
             self.compute = self.h2d = self.d2h = _NullStream()
 
-    def event(self):
-        return torch.cuda.Event() if self.cuda else _NullEvent()
+    def event(self, timing: bool = False):
+        return torch.cuda.Event(enable_timing=timing) if self.cuda else _NullEvent()
 
     def use(self, stream):
         """Context in which kernels are issued on ``stream``."""
         return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
 
-    def record(self, stream):
-        """Record a new event on ``stream`` and return it."""
-        ev = self.event()
+    def record(self, stream, timing: bool = False):
+        """Record a new event on ``stream`` and return it (``timing``: one ``elapsed_time`` can read)."""
+        ev = self.event(timing)
         if self.cuda:
             ev.record(stream)
         return ev
@@ -77,25 +77,23 @@ class WaitTimer:
     before the wait and one just after, so the first completes when the stream reaches the wait and the
     second when it passes it; their elapsed time is the stall (0 when the awaited work was already done).
     Elapsed times are read in ``settle``, after a sync that covers them. On CPU nothing waits: 0.
-    ``make_event`` builds a timing event (tests pass a fake)."""
+    ``record(stream)`` records a timing event (default ``streams.record(stream, timing=True)``; tests pass
+    a fake)."""
 
-    def __init__(self, streams: StreamSet, make_event=None):
-        if make_event is None and streams.cuda:
-            make_event = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
-        self._make = make_event
+    def __init__(self, streams: StreamSet, record=None):
+        if record is None and streams.cuda:
+            record = lambda stream: streams.record(stream, timing=True)  # noqa: E731
+        self._record = record
         self._pending: list[tuple[object, object]] = []
         self.total_s = 0.0  # cumulative over settled waits (the engine reports per-step differences)
 
     def wait(self, stream, event) -> None:
-        if self._make is None:
+        if self._record is None:
             stream.wait_event(event)
             return
-        before = self._make()
-        before.record(stream)
+        before = self._record(stream)
         stream.wait_event(event)
-        after = self._make()
-        after.record(stream)
-        self._pending.append((before, after))
+        self._pending.append((before, self._record(stream)))
 
     def settle(self) -> float:
         """Add the recorded waits to ``total_s`` and return it. Call after a sync of the stream: each

@@ -357,11 +357,11 @@ def test_tokens_knee_only_where_the_curve_levels_off():
 
 
 def test_a_timeout_cut_by_the_runs_budget_is_not_called_a_timeout():
-    from experiments.claims import _budget_cut_verdict  # noqa: PLC0415
+    from experiments.claims import BUDGET_CUT_VERDICT  # noqa: PLC0415
     from experiments.style import status_short  # noqa: PLC0415
     own = {"status": "timeout", "error": "timeout: the point process exceeded 300s and was terminated"}
     cut = {"status": "timeout", "error": f"timeout: the point process exceeded 27s ({schema.BUDGET_CUT}; a rerun "
                                          "retries it)"}
     assert status_short(own) == "timeout" and status_short(cut) == "budget cut"
     assert status_short({"status": "host_oom", "error": ""}) == "host OOM"
-    assert _budget_cut_verdict().startswith("not measured")
+    assert BUDGET_CUT_VERDICT.startswith("not measured")

@@ -41,7 +41,13 @@ class _Stream:
 def test_wait_timer_sums_the_gap_between_each_pair_and_settles_once():
     clock = _Clock([10.0, 35.0, 50.0, 50.0, 60.0, 70.0])  # a 25 ms stall, a wait on work already done, ...
     made = []
-    timer = WaitTimer(StreamSet(torch.device("cpu")), make_event=lambda: made.append(_Event(clock)) or made[-1])
+
+    def record(stream):
+        made.append(_Event(clock))
+        made[-1].record(stream)
+        return made[-1]
+
+    timer = WaitTimer(StreamSet(torch.device("cpu")), record=record)
     stream = _Stream()
     timer.wait(stream, "load-1")
     timer.wait(stream, "load-2")
