@@ -2,6 +2,9 @@
 and the pure-torch fallback the engine uses where the extension cannot be built."""
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -68,3 +71,32 @@ def test_undo_restores_the_state_and_redo_equals_a_direct_update(kernel, step):
     kernel.step(direct[0], g, direct[1], direct[2], st, 1e-3, 0.3)
     for a, b in zip((p, m, v), direct):
         assert float((a - b).norm() / b.norm()) < 1e-5
+
+
+def test_an_update_lets_the_main_thread_run_python_meanwhile(kernel):
+    """The host AdamW runs in a worker thread while the main thread issues the GPU's work. A kernel that kept
+    the GIL for its whole call would stop the main thread for as long: the engine's forward then advanced
+    at the optimizer's pace (forward time = host update time in the H200 phase timers, before the C++
+    kernel dropped the GIL)."""
+    n = 32_000_000  # one call of tens of milliseconds (thread start and GIL handoffs add a few around it)
+    p, m, v, g = (torch.rand(n) for _ in range(4))
+    kernel.threads = 1  # the other core stays free for the main thread
+    span = {}
+
+    def update():
+        t0 = time.perf_counter()
+        kernel.step(p, g, m, v, torch.tensor(1.0), 1e-3, 1.0)
+        span["t"] = (t0, time.perf_counter())
+
+    ticks = []
+    worker = threading.Thread(target=update)
+    worker.start()
+    while worker.is_alive():  # pure Python: needs the GIL at every iteration
+        ticks.append(time.perf_counter())
+    worker.join()
+    t0, t1 = span["t"]
+    inside = [t0] + [t for t in ticks if t0 < t < t1] + [t1]
+    longest = max(b - a for a, b in zip(inside, inside[1:]))
+    assert t1 - t0 > 0.005, "the update was too short to tell"
+    assert longest < 0.25 * (t1 - t0), (f"the main thread stood still for {longest * 1e3:.1f} ms of a "
+                                       f"{(t1 - t0) * 1e3:.1f} ms update (the GIL was held)")

@@ -115,7 +115,12 @@ void adamw_undo(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor
   if (redo_coef >= 0.0) adamw_step(p, g, m, v, redo_coef, lr, b1, b2, eps, wd, step, threads);
 }
 
+// Both run in the host optimizer's worker thread while the main thread issues the GPU's work: they drop the
+// GIL for the whole call (they touch no Python object), or the main thread could not run a line of Python
+// until each chunk's update returned, and the next forward would advance at the optimizer's pace.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("adamw_step", &adamw_step, "one-pass fp32 AdamW with a bf16/fp32 gradient (OpenMP)");
-  mod.def("adamw_undo", &adamw_undo, "undo adamw_step in float64 (and redo it with a clip coefficient)");
+  mod.def("adamw_step", &adamw_step, "one-pass fp32 AdamW with a bf16/fp32 gradient (OpenMP)",
+          py::call_guard<py::gil_scoped_release>());
+  mod.def("adamw_undo", &adamw_undo, "undo adamw_step in float64 (and redo it with a clip coefficient)",
+          py::call_guard<py::gil_scoped_release>());
 }
