@@ -49,8 +49,16 @@
 #             verdict; host_side: the points not reached
 #   fillF     size: MegaTrain 14B again (now with the GPU load-wait timer), Gemini 7B (clipped at 172 s:
 #             300 s); host_side: what fillE left
+# After b2e807a (the host AdamW kernel drops the GIL; before, the forward advanced at the host update's pace),
+# every MegaTrain row with a host tier is re-measured, the claims' rows first (docs/reproduction.md):
+#   gilA      tests (GPU engine tests; the kernel's GIL test on the device's compiler build); size: MegaTrain
+#             14B; ablation: 14B tiered (full, no_opt_overlap, no_double_buffer, grads_on_host) and 7B pure
+#             streaming (full, no_opt_overlap, no_speculation, no_double_buffer, grads_on_host)
+#   gilB      depth: MegaTrain tiered 42/56 layers and pure streaming 4..28; width: MegaTrain 1.5x; tokens:
+#             MegaTrain 158K again (the plan-decided MLP chunk; fillD's budget ran out before it)
+#   gilC      host_side: every point again (redo); hardware: MegaTrain 7B/14B on the emulated A100
 set -uo pipefail
-phase="${1:?usage: h200_repro.sh sweeps1|context|parity|engine|baselines|baselines3b|tokens|host_side|rest3b|rest7b|zero3tok|fillA|fillB|fillC|fillD|fillE|fillF}"
+phase="${1:?usage: h200_repro.sh sweeps1|context|parity|engine|baselines|baselines3b|tokens|host_side|rest3b|rest7b|zero3tok|fillA|fillB|fillC|fillD|fillE|fillF|gilA|gilB|gilC}"
 budget="${PHASE_BUDGET_S:-540}"
 : "${OUT:?set OUT}"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True MEGATRAIN_SITE=/tmp/site WHEELHOUSE_SKIP=megatrain
@@ -216,6 +224,35 @@ case "$phase" in
     run sweep=size 'only=[megatrain__*qwen2.5-14b*]' redo=true shared_init=false timeout_s=150  # with gpu_load_wait_s
     run sweep=size 'only=[gemini__*qwen2.5-7b*]' shared_init=true steps=2 warmup_steps=1 timeout_s=300
     run sweep=host_side timeout_s=240
+    ;;
+  gilA)
+    say "tests first: GPU engine tests, and the host AdamW kernel (rebuilt here with the GIL released)"
+    timeout 200 python3 -m pytest tests/test_host_adamw_kernels.py -q -x -p no:cacheprovider >>"$log" 2>&1
+    say "pytest (kernel) exit $?"
+    timeout 150 python3 -m pytest -m gpu tests/test_engine_gpu.py -q -x -p no:cacheprovider >>"$log" 2>&1
+    say "pytest (GPU) exit $?"
+    run sweep=size 'only=[megatrain__*qwen2.5-14b*]' redo=true shared_init=false timeout_s=150
+    run sweep=ablation model=qwen2.5-14b system=megatrain \
+        'only=[*__full__*,*no_opt_overlap*,*no_double_buffer*,*grads_on_host*]' redo=true shared_init=false \
+        steps=2 warmup_steps=1 timeout_s=120
+    run sweep=ablation model=qwen2.5-7b system=megatrain system.options.gpu_resident=0 \
+        'only=[*__full__*,*no_opt_overlap*,*no_speculation*,*no_double_buffer*,*grads_on_host*]' redo=true \
+        shared_init=false steps=2 warmup_steps=1 timeout_s=100
+    ;;
+  gilB)
+    run sweep=depth system=megatrain 'only=[megatrain__*L42__*default*,megatrain__*L56__*default*]' redo=true \
+        shared_init=false timeout_s=150
+    run sweep=width system=megatrain 'only=[*w1.5__*]' redo=true shared_init=false timeout_s=150
+    run sweep=depth system=megatrain '+sweep.variants={pure_streaming:{gpu_resident:"0"}}' \
+        'only=[*L4__*pure*,*L8__*pure*,*L14__*pure*,*L28__*pure*]' redo=true shared_init=false steps=2 \
+        warmup_steps=1 timeout_s=90
+    run sweep=tokens system=megatrain 'only=[megatrain__*b158__*]' redo=true shared_init=false steps=2 \
+        warmup_steps=1 timeout_s=120
+    ;;
+  gilC)
+    run sweep=host_side redo=true timeout_s=240
+    run sweep=hardware 'sweep.hardware=[A100-80GB]' system=megatrain 'sweep.models=[qwen2.5-7b,qwen2.5-14b]' \
+        redo=true shared_init=false timeout_s=150
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
