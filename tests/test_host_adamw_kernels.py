@@ -73,14 +73,10 @@ def test_undo_restores_the_state_and_redo_equals_a_direct_update(kernel, step):
         assert float((a - b).norm() / b.norm()) < 1e-5
 
 
-def test_an_update_lets_the_main_thread_run_python_meanwhile(kernel):
-    """The host AdamW runs in a worker thread while the main thread issues the GPU's work. A kernel that kept
-    the GIL for its whole call would stop the main thread for as long: the engine's forward then advanced
-    at the optimizer's pace (forward time = host update time in the H200 phase timers, before the C++
-    kernel dropped the GIL)."""
-    n = 32_000_000  # one call of tens of milliseconds (thread start and GIL handoffs add a few around it)
+def _longest_standstill(kernel, n: int) -> tuple[float, float]:
+    """(longest gap between the main thread's loop iterations during one update in a worker thread, the
+    update's duration)."""
     p, m, v, g = (torch.rand(n) for _ in range(4))
-    kernel.threads = 1  # the other core stays free for the main thread
     span = {}
 
     def update():
@@ -96,7 +92,17 @@ def test_an_update_lets_the_main_thread_run_python_meanwhile(kernel):
     worker.join()
     t0, t1 = span["t"]
     inside = [t0] + [t for t in ticks if t0 < t < t1] + [t1]
-    longest = max(b - a for a, b in zip(inside, inside[1:]))
-    assert t1 - t0 > 0.005, "the update was too short to tell"
-    assert longest < 0.25 * (t1 - t0), (f"the main thread stood still for {longest * 1e3:.1f} ms of a "
-                                       f"{(t1 - t0) * 1e3:.1f} ms update (the GIL was held)")
+    return max(b - a for a, b in zip(inside, inside[1:])), t1 - t0
+
+
+def test_an_update_lets_the_main_thread_run_python_meanwhile(kernel):
+    """The host AdamW runs in a worker thread while the main thread issues the GPU's work. A kernel that kept
+    the GIL for its whole call would stop the main thread for as long (measured on the old kernel: 41 ms of
+    a 57 ms update; with the GIL released the longest gap is ~1 ms). The best of three tries, so that one
+    scheduler hiccup on a busy CI machine does not fail it: a held GIL fails every try."""
+    kernel.threads = 1  # the other core stays free for the main thread
+    tries = [_longest_standstill(kernel, 32_000_000) for _ in range(3)]  # tens of ms per update
+    longest, duration = min(tries, key=lambda t: t[0] / t[1])
+    assert duration > 0.005, "the update was too short to tell"
+    assert longest < 0.25 * duration, (f"the main thread stood still for {longest * 1e3:.1f} ms of a "
+                                       f"{duration * 1e3:.1f} ms update (the GIL was held)")
