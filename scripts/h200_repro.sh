@@ -57,10 +57,12 @@
 #   gilA      tests (the kernel's GIL test on the device's compiler build; GPU engine tests); the no-clip
 #             rows of results/engine/optimizer.md again (3B pure streaming 16x1024 vs all-on-GPU, 7B pure
 #             streaming 8x1024, 14B tiered 16x1024); size: MegaTrain 14B (clip fires)
-#   gilB      ablation: 14B tiered and 7B pure streaming variants; width 1.5x; tokens: MegaTrain 158K (the
-#             plan-decided MLP chunk; fillD's budget ran out before it)
-#   gilC      host_side: every point again (redo; 16 / 32 GB/s links never measured); depth: MegaTrain
-#             tiered 42/56 layers
+#   gilB      ablation, 14B tiered: every variant (the list: double buffering, slab pool, checkpoint
+#             interval, optimizer overlap, speculation, tiers = pure streaming, a plan verdict at 14B)
+#   gilC      ablation, 7B pure streaming: every variant; tokens: MegaTrain 158K (the plan-decided MLP chunk;
+#             fillD's budget ran out before it)
+#   later     host_side again (16 / 32 GB/s links never measured), depth tiered 42/56, width 1.5x: phase
+#             host_side, and the gilC-style commands in docs/reproduction.md
 set -uo pipefail
 phase="${1:?usage: h200_repro.sh sweeps1|context|parity|engine|baselines|baselines3b|tokens|host_side|rest3b|rest7b|zero3tok|fillA|fillB|fillC|fillD|fillE|fillF|gilA|gilB|gilC}"
 budget="${PHASE_BUDGET_S:-540}"
@@ -248,19 +250,15 @@ case "$phase" in
     ;;
   gilB)
     run sweep=ablation model=qwen2.5-14b system=megatrain \
-        'only=[*__full__*,*no_opt_overlap*,*no_double_buffer*,*grads_on_host*]' redo=true shared_init=false \
-        steps=2 warmup_steps=1 timeout_s=120
-    run sweep=ablation model=qwen2.5-7b system=megatrain system.options.gpu_resident=0 \
-        'only=[*__full__*,*no_opt_overlap*,*no_speculation*,*no_double_buffer*,*grads_on_host*]' redo=true \
-        shared_init=false steps=2 warmup_steps=1 timeout_s=100
-    run sweep=width system=megatrain 'only=[*w1.5__*]' redo=true shared_init=false timeout_s=150
-    run sweep=tokens system=megatrain 'only=[megatrain__*b158__*]' redo=true shared_init=false steps=2 \
-        warmup_steps=1 timeout_s=120
+        'only=[*__full__*,*no_double_buffer*,*no_slab_pool*,*ckpt_interval_1*,*no_opt_overlap*,*no_speculation*,*grads_on_host*,*pure_streaming*]' \
+        redo=true shared_init=false steps=2 warmup_steps=1 timeout_s=150
     ;;
   gilC)
-    run sweep=host_side redo=true timeout_s=240
-    run sweep=depth system=megatrain 'only=[megatrain__*L42__*default*,megatrain__*L56__*default*]' redo=true \
-        shared_init=false timeout_s=150
+    run sweep=ablation model=qwen2.5-7b system=megatrain system.options.gpu_resident=0 \
+        'only=[*__full__*,*no_double_buffer*,*no_slab_pool*,*ckpt_interval_1*,*no_opt_overlap*,*no_speculation*,*grads_on_host*]' \
+        redo=true shared_init=false steps=2 warmup_steps=1 timeout_s=120
+    run sweep=tokens system=megatrain 'only=[megatrain__*b158__*]' redo=true shared_init=false steps=2 \
+        warmup_steps=1 timeout_s=120
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
