@@ -235,6 +235,7 @@ case "$phase" in
     say "tests first: the host AdamW kernel (rebuilt here with the GIL released), GPU engine tests"
     timeout 200 python3 -m pytest tests/test_host_adamw_kernels.py -q -x -p no:cacheprovider >>"$log" 2>&1
     say "pytest (kernel) exit $?"
+    timeout 60 python3 scripts/host_adamw_gil.py --threads 15 2>&1 | tee -a "$log"  # the main thread during updates
     timeout 150 python3 -m pytest -m gpu tests/test_engine_gpu.py -q -x -p no:cacheprovider >>"$log" 2>&1
     say "pytest (GPU) exit $?"
     for args in "--model qwen2.5-3b --batch 16 --systems 0,native" "--model qwen2.5-7b --batch 8 --systems 0" \
