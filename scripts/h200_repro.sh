@@ -85,8 +85,9 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$log"
 free -g >>"$log"
 
+left_s() { echo $(( budget - ($(date +%s) - t0) )); }  # seconds left of the phase budget
 run() {  # the runner into the committed results/, one line of progress per point in the log
-  local left=$(( budget - ($(date +%s) - t0) - 20 ))
+  local left=$(( $(left_s) - 20 ))
   if [ "$left" -lt 30 ]; then say "not started (phase budget ${budget}s spent): $*"; return; fi
   say "runner (time_budget_s=$left): $*"
   python3 -m experiments.run results_dir=results time_budget_s="$left" "$@" >>"$log" 2>&1
@@ -240,7 +241,7 @@ case "$phase" in
     say "pytest (GPU) exit $?"
     for args in "--model qwen2.5-3b --batch 16 --systems 0,native" "--model qwen2.5-7b --batch 8 --systems 0" \
                 "--model qwen2.5-14b --batch 16 --systems auto"; do
-      if [ $(( budget - ($(date +%s) - t0) )) -lt 190 ]; then say "not started (phase budget): tier_bench $args"; continue; fi
+      if [ "$(left_s)" -lt 190 ]; then say "not started (phase budget ${budget}s spent): tier_bench $args"; continue; fi
       say "tier_bench (no clip) $args"
       # shellcheck disable=SC2086
       timeout 170 python3 scripts/tier_bench.py $args --seq 1024 --max-grad-norm 1e9 --warmup 2 --steps 3 \
