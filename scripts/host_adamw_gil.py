@@ -7,9 +7,9 @@ main thread run only between chunks: each torch call releases the GIL and the wa
     python scripts/host_adamw_gil.py [--elems 64000000] [--seconds 2] [--threads 1]
 
 Prints the main thread's calls per second alone and during updates, and the worker's chunks per second.
-On the 2-core dev machine (2026-12-01, torch 2.13 CPU, --threads 1, two runs each): the GIL-holding kernel of
-6d94272 let the main thread make 168-738 calls/s during updates (263,000-277,000 alone); the kernel of b2e807a,
-which releases the GIL, 264,000-269,000 (the same as alone).
+On the 2-core dev machine (2026-12-01, torch 2.13 CPU, defaults, three runs each of this script at 13a21ed /
+16fb65f): with 6d94272's GIL-holding adamw.cpp the main thread made 153-738 calls/s during updates (226,020-
+274,785 alone); with b2e807a's, which releases the GIL, 242,898-264,478 (267,644-275,570 alone).
 Exits non-zero when the worker completed no chunk (nothing was measured).
 """
 from __future__ import annotations
