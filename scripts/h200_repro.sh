@@ -61,10 +61,12 @@
 #             interval, optimizer overlap, speculation, tiers = pure streaming, a plan verdict at 14B)
 #   gilC      ablation, 7B pure streaming: every variant; tokens: MegaTrain 158K (the plan-decided MLP chunk;
 #             fillD's budget ran out before it)
+#   gilD      depth: MegaTrain tiered 28/42/56 layers and pure streaming 28, width 1.5x (the fixed kernel)
+#   gilE      tokens: MegaTrain at every point (3B), the fixed kernel (what the device budget leaves)
 #   later     host_side again (16 / 32 GB/s links never measured), depth tiered 42/56, width 1.5x: phase
 #             host_side, and the gilC-style commands in docs/reproduction.md
 set -uo pipefail
-phase="${1:?usage: h200_repro.sh sweeps1|context|parity|engine|baselines|baselines3b|tokens|host_side|rest3b|rest7b|zero3tok|fillA|fillB|fillC|fillD|fillE|fillF|gilA|gilB|gilC}"
+phase="${1:?usage: h200_repro.sh sweeps1|context|parity|engine|baselines|baselines3b|tokens|host_side|rest3b|rest7b|zero3tok|fillA|fillB|fillC|fillD|fillE|fillF|gilA|gilB|gilC|gilD|gilE}"
 budget="${PHASE_BUDGET_S:-540}"
 : "${OUT:?set OUT}"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True MEGATRAIN_SITE=/tmp/site WHEELHOUSE_SKIP=megatrain
@@ -261,6 +263,14 @@ case "$phase" in
         redo=true shared_init=false steps=2 warmup_steps=1 timeout_s=120
     run sweep=tokens system=megatrain 'only=[megatrain__*b158__*]' redo=true shared_init=false steps=2 \
         warmup_steps=1 timeout_s=120
+    ;;
+  gilD)  # session 2026-12-01g: the tiered depth points and width 1.5x with the fixed kernel
+    run sweep=depth 'only=[megatrain__*L28__*,megatrain__*L42__*default*,megatrain__*L56__*default*]' redo=true \
+        shared_init=false timeout_s=150
+    run sweep=width 'only=[megatrain__*w1.5__*]' redo=true shared_init=false timeout_s=150
+    ;;
+  gilE)  # the rest of the device budget: the tokens sweep's MegaTrain points (3B) with the fixed kernel
+    run sweep=tokens system=megatrain redo=true shared_init=false steps=2 warmup_steps=1 timeout_s=90
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
