@@ -436,8 +436,12 @@ def _paper_hardware(df) -> dict[tuple[float, str, str], float]:
 
 
 def _streaming_tag(settings) -> str:
-    """" · pure streaming" for rows whose engine settings put no layer on the GPU tier (gpu_resident 0)."""
-    return " · pure streaming" if str(row_settings(settings).get("gpu_resident")) == "0" else ""
+    """" · pure streaming" for rows whose engine settings put no layer on the GPU tier (gpu_resident 0),
+    " · tiered" for rows that let the plan fill the GPU tier; nothing for rows without engine settings."""
+    resident = row_settings(settings).get("gpu_resident")
+    if resident is None:
+        return ""
+    return " · pure streaming" if str(resident) == "0" else " · tiered"
 
 
 def fig_ablation(df, out, formats):
@@ -447,7 +451,8 @@ def fig_ablation(df, out, formats):
     df["_setup"] = (df["model"].astype(str) + " " + df["batch_size"].map(lambda v: f"{int(v)}" if pd.notna(v) else "?")
                     + "×" + df["seq_len"].map(lambda v: f"{int(v)}" if pd.notna(v) else "?") + " " + df["hardware"]
                     + df.get("settings", pd.Series("", index=df.index)).map(_streaming_tag))
-    setups = list(dict.fromkeys(df["_setup"]))
+    size = df.groupby("_setup")["num_params"].max() if "num_params" in df else pd.Series(dtype=float)
+    setups = sorted(dict.fromkeys(df["_setup"]), key=lambda s: size.get(s, 0) if pd.notna(size.get(s)) else 0)
     variants = list(dict.fromkeys(df["variant"]))
     variants = [v for v in variants if v == "full"] + [v for v in variants if v != "full"]
     fig, (ax,) = _new_figure(width=min(16.0, max(7.5, 0.7 * len(variants) * len(setups) + 2.5)), height=5.4)

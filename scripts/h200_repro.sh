@@ -61,7 +61,7 @@
 #             interval, optimizer overlap, speculation, tiers = pure streaming, a plan verdict at 14B)
 #   gilC      ablation, 7B pure streaming: every variant; tokens: MegaTrain 158K (the plan-decided MLP chunk;
 #             fillD's budget ran out before it)
-#   gilD      depth: MegaTrain tiered 28/42/56 layers and pure streaming 28, width 1.5x (the fixed kernel)
+#   gilD      depth: MegaTrain tiered 28/42/56 layers, width 1.5x (the fixed kernel)
 #   gilE      tokens: MegaTrain at every point (3B), the fixed kernel (what the device budget leaves)
 #   later     host_side again (16 / 32 GB/s links never measured), depth tiered 42/56, width 1.5x: phase
 #             host_side, and the gilC-style commands in docs/reproduction.md

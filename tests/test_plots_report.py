@@ -365,3 +365,39 @@ def test_a_timeout_cut_by_the_runs_budget_is_not_called_a_timeout():
     assert status_short(own) == "timeout" and status_short(cut) == "budget cut"
     assert status_short({"status": "host_oom", "error": ""}) == "host OOM"
     assert BUDGET_CUT_VERDICT.startswith("not measured")
+
+
+def test_ablation_groups_go_by_model_size_and_name_their_placement(tmp_path):
+    """Setups side by side from the smallest model to the largest, whatever the file's order, each named
+    by its placement: pure streaming (gpu_resident 0), tiered (the plan fills the GPU tier), or nothing
+    for rows without engine settings."""
+    import matplotlib.axes
+
+    from experiments import figures
+
+    base = schema.read_results(SAMPLE / "ablation" / "results.csv")
+    base = base[base["variant"].isin(["full", "no_double_buffer"])].head(2)
+    assert len(base) == 2
+    parts = []
+    for model, params, settings in [("m-14b", 14.8e9, '{"gpu_resident": "auto"}'), ("m-3b", 3.1e9, ""),
+                                    ("m-7b", 7.6e9, '{"gpu_resident": "0"}')]:
+        g = base.copy()
+        g["model"], g["num_params"], g["settings"] = model, params, settings
+        parts.append(g)
+    df = pd.concat(parts, ignore_index=True)
+    labels = []
+    orig = matplotlib.axes.Axes.bar
+
+    def spy(self, *a, **k):
+        if k.get("label"):
+            labels.append(k["label"])
+        return orig(self, *a, **k)
+
+    matplotlib.axes.Axes.bar = spy
+    try:
+        figures.fig_ablation(df, tmp_path, ("png",))
+    finally:
+        matplotlib.axes.Axes.bar = orig
+    assert [lab.split()[0] for lab in labels] == ["m-3b", "m-7b", "m-14b"], labels
+    assert "·" not in labels[0], labels
+    assert labels[1].endswith("· pure streaming") and labels[2].endswith("· tiered"), labels
