@@ -88,6 +88,11 @@ def _fail_reason(r) -> str:
     return f"{short}: needs {lim.need:.1f} GiB" if lim is not None and lim.need is not None else short
 
 
+def _short_sha(sha) -> str:
+    """The first 7 characters of a row's git SHA; "" where the row has none."""
+    return str(sha)[:7] if isinstance(sha, str) and sha.strip() and sha != "nan" else ""
+
+
 def _host_side_rows(df, results_dir=None):
     """The rows with their panel kind, series and x value per panel; and the real host's x values."""
     df = df.copy().reset_index(drop=True)
@@ -139,10 +144,12 @@ def fig_host_side(df, out, formats, results_dir=None):
         p = rows.loc[rows["_series"] == key, "num_params"].dropna()
         names[key] = (_series_name(key[0], key[1], p.iloc[0] if not p.empty else None),
                       SERIES_COLORS[i % len(SERIES_COLORS)], SERIES_MARKERS[i % len(SERIES_MARKERS)])
-    real_val = {}
+    real_val, real_sha = {}, {}
     for key in series:
         r = rows[(rows["_series"] == key) & (rows["_kind"] == "real") & rows["_ok"]]
         real_val[key] = float(r[metric].iloc[-1]) if not r.empty else None
+        real_sha[key] = _short_sha(r["git_sha"].iloc[-1]) if not r.empty and "git_sha" in r else ""
+    across = []  # (series, hardware, its commit, the real host's commit): ratios across code versions
     drawn = rows[rows["_kind"].notna()]
     fail_series = [k for k in series if ((drawn["_series"] == k) & ~drawn["_ok"]).any()]
     # two band rows per series with failures: its × in the lower one, the reason above it
@@ -175,7 +182,11 @@ def fig_host_side(df, out, formats, results_dir=None):
             at_x = at_x.sort_values(metric, ascending=False)
             for j, (_, r) in enumerate(at_x.iterrows()):
                 v, base = float(r[metric]), real_val[r["_series"]]
-                txt = fmt.format(v) + (f" ({v / base:.2f}×)" if base else "")
+                sha, ref_sha = _short_sha(r.get("git_sha")), real_sha[r["_series"]]
+                mark = "‡" if base and r["_kind"] != "real" and sha and ref_sha and sha != ref_sha else ""
+                if mark:
+                    across.append((r["_series"], r["hardware"], sha, ref_sha))
+                txt = fmt.format(v) + (f" ({v / base:.2f}×{mark})" if base else "")
                 _, color, _ = names[r["_series"]]
                 ax.annotate(txt, (x, v), xytext=(0, 8 if j == 0 else -9), textcoords="offset points",
                             ha="center", va="bottom" if j == 0 else "top", fontsize=8, color=color,
@@ -247,6 +258,9 @@ def fig_host_side(df, out, formats, results_dir=None):
                  + "; ".join(f"{names[k][0]} = {k[0]}" for k in series)
                  + " (tiered: GPU tier filled first; pure streaming: no layer resident on the GPU). "
                  "Dotted segment: a point between did not run.")
+    if across:
+        lines.append("‡ ratio across code versions (the point's commit vs the real host row's): "
+                     + "; ".join(f"{names[k][0]} {hw} {a} vs {b}" for k, hw, a, b in dict.fromkeys(across)))
     failed = drawn[~drawn["_ok"]]
     for _, r in failed.head(6).iterrows():
         err = str(r.get("error") or ("ran, but recorded no " + unit if r["status"] == "ok" else r["status"]))

@@ -124,3 +124,24 @@ def test_cpu_smoke_falls_back_to_tokens_per_s(rows, tmp_path, captured):
     cores, _, _ = _draw(cpu, tmp_path, captured)
     assert cores.get_ylabel() == "training throughput (tokens/s)"
     assert any(t.startswith("1,769 (0.60×)") for t in _texts(cores))
+
+
+def test_a_ratio_across_code_versions_is_marked(rows, tmp_path, captured):
+    """A point measured by another commit than its series' real-host row: its ratio gets a double dagger
+    (‡; the report's † means not at steady state), and the footnote names both commits; points of the same
+    commit stay unmarked."""
+    moved = rows.copy()
+    moved.loc[moved["hardware"] == "link-16GBps", "git_sha"] = "eeec94db1735abc552ba705b6ba4d8843672d8db"
+    cores, link, _ = _draw(moved, tmp_path, captured)
+    assert "227 (0.83×‡)" in _texts(link), _texts(link)
+    assert "162 (0.60×)" in _texts(cores)  # same commit as the real host: no mark
+    (fig,) = captured
+    foot = " ".join(t.get_text() for t in fig.texts)
+    assert "‡ ratio across code versions" in foot and "eeec94d vs 525281e" in foot, foot
+
+
+def test_same_commit_everywhere_has_no_double_dagger(rows, tmp_path, captured):
+    cores, link, ram = _draw(rows, tmp_path, captured)
+    assert not any("‡" in t for ax in (cores, link, ram) for t in _texts(ax))
+    (fig,) = captured
+    assert "code versions" not in " ".join(t.get_text() for t in fig.texts)
