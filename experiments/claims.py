@@ -20,7 +20,7 @@ import yaml
 from baselines.registry import record
 
 from .schema import KNOWN_SWEEPS as SWEEPS, SAMPLE_GPU, SAMPLE_SHA, fill_x_from_point
-from .style import STATUS_SHORT, TB_1_5_GIB, status_short
+from .style import STATUS_SHORT, TB_1_5_GIB, short_sha, status_short
 
 CLAIMS_PATH = Path(__file__).parent / "data" / "paper_claims.yaml"
 ROOT = Path(__file__).resolve().parents[1]  # evidence files are relative to the repository root
@@ -202,7 +202,7 @@ def _same_point(rows: pd.DataFrame, r: pd.Series, system: str) -> pd.Series | No
 
 def _run_of(r) -> tuple[str, str]:
     """(git SHA, day) of a row: rows of one run share both."""
-    return str(r.get("git_sha") or "")[:7], str(r.get("date") or "")[:10]
+    return short_sha(r), str(r.get("date") or "")[:10]
 
 
 def _other_run(a, b) -> str:

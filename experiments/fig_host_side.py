@@ -88,11 +88,6 @@ def _fail_reason(r) -> str:
     return f"{short}: needs {lim.need:.1f} GiB" if lim is not None and lim.need is not None else short
 
 
-def _short_sha(sha) -> str:
-    """The first 7 characters of a row's git SHA; "" where the row has none."""
-    return str(sha)[:7] if isinstance(sha, str) and sha.strip() and sha != "nan" else ""
-
-
 def _host_side_rows(df, results_dir=None):
     """The rows with their panel kind, series and x value per panel; and the real host's x values."""
     df = df.copy().reset_index(drop=True)
@@ -148,7 +143,7 @@ def fig_host_side(df, out, formats, results_dir=None):
     for key in series:
         r = rows[(rows["_series"] == key) & (rows["_kind"] == "real") & rows["_ok"]]
         real_val[key] = float(r[metric].iloc[-1]) if not r.empty else None
-        real_sha[key] = _short_sha(r["git_sha"].iloc[-1]) if not r.empty and "git_sha" in r else ""
+        real_sha[key] = short_sha(r.iloc[-1]) if not r.empty else ""
     across = []  # (series, hardware, its commit, the real host's commit): ratios across code versions
     drawn = rows[rows["_kind"].notna()]
     fail_series = [k for k in series if ((drawn["_series"] == k) & ~drawn["_ok"]).any()]
@@ -182,7 +177,7 @@ def fig_host_side(df, out, formats, results_dir=None):
             at_x = at_x.sort_values(metric, ascending=False)
             for j, (_, r) in enumerate(at_x.iterrows()):
                 v, base = float(r[metric]), real_val[r["_series"]]
-                sha, ref_sha = _short_sha(r.get("git_sha")), real_sha[r["_series"]]
+                sha, ref_sha = short_sha(r), real_sha[r["_series"]]
                 mark = "‡" if base and r["_kind"] != "real" and sha and ref_sha and sha != ref_sha else ""
                 if mark:
                     across.append((r["_series"], r["hardware"], sha, ref_sha))

@@ -61,6 +61,12 @@ def status_short(r) -> str:
     return STATUS_SHORT.get(st, st or "?")
 
 
+def short_sha(r) -> str:
+    """The first 7 characters of a row's ``git_sha``; "" where the row has none (empty or NaN)."""
+    sha = r.get("git_sha")
+    return sha.strip()[:7] if isinstance(sha, str) and sha.strip() and sha != "nan" else ""
+
+
 def row_settings(settings) -> dict:
     """A row's ``settings`` column (the system's options as JSON) as a dict; {} when empty or unreadable."""
     try:
