@@ -451,8 +451,8 @@ def fig_ablation(df, out, formats):
     df["_setup"] = (df["model"].astype(str) + " " + df["batch_size"].map(lambda v: f"{int(v)}" if pd.notna(v) else "?")
                     + "×" + df["seq_len"].map(lambda v: f"{int(v)}" if pd.notna(v) else "?") + " " + df["hardware"]
                     + df.get("settings", pd.Series("", index=df.index)).map(_streaming_tag))
-    size = df.groupby("_setup")["num_params"].max() if "num_params" in df else pd.Series(dtype=float)
-    setups = sorted(dict.fromkeys(df["_setup"]), key=lambda s: size.get(s, 0) if pd.notna(size.get(s)) else 0)
+    size = df.groupby("_setup")["num_params"].max().fillna(0) if "num_params" in df else {}
+    setups = sorted(dict.fromkeys(df["_setup"]), key=lambda s: size.get(s, 0))  # smallest model first
     variants = list(dict.fromkeys(df["variant"]))
     variants = [v for v in variants if v == "full"] + [v for v in variants if v != "full"]
     fig, (ax,) = _new_figure(width=min(16.0, max(7.5, 0.7 * len(variants) * len(setups) + 2.5)), height=5.4)
