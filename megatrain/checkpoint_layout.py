@@ -130,7 +130,7 @@ def write_new_folder(out, write) -> Path:
     """A plain folder (an HF export, initial weights) written whole or not at all: into a hidden sibling
     ``.NAME.tmp-<pid>-<ns>/``, fsynced, then renamed to ``out``. ``out`` must not exist or be empty."""
     out = Path(os.path.abspath(out))
-    old = _previous_layout(out)
+    old = _previous_layout(out, saved=False)
     if old is None and (out.exists() or out.is_symlink()):
         if not out.is_dir():
             raise CheckpointRefused(f"refusing to write into {str(out)!r}: it exists and is not a folder")
@@ -157,7 +157,7 @@ def write_new_folder(out, write) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if old is not None:
+    if old is not None and old.is_dir() and not old.is_symlink():
         shutil.rmtree(old, ignore_errors=True)
     return out
 
@@ -272,15 +272,16 @@ def _alive(pid: int) -> bool:
 
 
 # -- the previous layout (a symlink to a hidden sibling version folder) ------------------------------
-def _previous_layout(root: Path) -> Path | None:
-    """The version folder ``root`` links to when ``root`` is a save of the previous layout."""
+def _previous_layout(root: Path, saved: bool = True) -> Path | None:
+    """The version folder ``root`` links to when ``root`` is a folder the previous layout wrote: a save
+    (``saved``: its engine state present), or any such link (initial weights; the folder may be gone)."""
     if not root.is_symlink():
         return None
     target = os.readlink(root)
     if not re.fullmatch(rf"\.{re.escape(root.name)}\.v\d+-[\w-]+", target):
         return None
     version = root.parent / target
-    return version if (version / ENGINE_STATE).is_file() else None
+    return version if not saved or (version / ENGINE_STATE).is_file() else None
 
 
 def _convert_previous_layout(root: Path, old: Path, step: int, write, keep: int) -> Path:

@@ -346,3 +346,22 @@ def test_save_pretrained_exports_a_plain_hf_folder(tmp_path):
     with pytest.raises(CheckpointRefused, match="not empty"):
         e.save_pretrained(out)
     e.close()
+
+
+def test_initial_weights_are_written_whole_and_never_over_a_users_folder(tmp_path):
+    from megatrain.checkpoint import write_initial_weights
+
+    out = write_initial_weights(SPEC, tmp_path / "init")
+    assert out.is_dir() and not out.is_symlink() and (out / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["init"]  # no tmp folder or link beside it
+    assert not (out / layout.PARTIAL).exists()
+    before = tree(tmp_path)
+    with pytest.raises(CheckpointRefused, match="not empty"):
+        write_initial_weights(SPEC, out)
+    assert tree(tmp_path) == before
+    # a folder of the previous layout (a link to a hidden version, here evicted from a cache) is replaced
+    shutil.rmtree(out)
+    os.symlink(".init.v1796000000000000000-77", tmp_path / "init")
+    write_initial_weights(SPEC, tmp_path / "init")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["init"] and not (tmp_path / "init").is_symlink()
+    MegaTrain.from_pretrained(tmp_path / "init", cfg(), verbose=False).close()
