@@ -131,6 +131,9 @@ def write_new_folder(out, write) -> Path:
     ``.NAME.tmp-<pid>-<ns>/``, fsynced, then renamed to ``out``. ``out`` must not exist or be empty."""
     out = Path(os.path.abspath(out))
     old = _previous_layout(out, saved=False)
+    if old is not None and (old / ENGINE_STATE).is_file():
+        raise CheckpointRefused(f"refusing to write into {str(out)!r}: it holds a MegaTrain save (choose a new "
+                                f"or empty folder)")
     if old is None and (out.exists() or out.is_symlink()):
         if not out.is_dir():
             raise CheckpointRefused(f"refusing to write into {str(out)!r}: it exists and is not a folder")
@@ -150,7 +153,7 @@ def write_new_folder(out, write) -> Path:
         write(tmp)
         _fsync_tree(tmp)
         (tmp / PARTIAL).unlink()
-        if old is not None:  # the previous layout's link and version folder: both written by the engine
+        if old is not None:  # a previous-layout link to initial weights (no save): link and folder are the engine's
             out.unlink()
         os.rename(tmp, out)  # onto a missing name or an empty folder: atomic
         _fsync_dir(out.parent)
@@ -181,7 +184,9 @@ def _adopt_root(root: Path) -> str | None:
         _write_marker(root)
         return "adopted"
     shown = ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
-    if (root / ENGINE_STATE).is_file():
+    if (root / STEP_MARKER).is_file():
+        what = f"it is one save of a checkpoint: save to the checkpoint folder {str(root.parent)!r}"
+    elif (root / ENGINE_STATE).is_file():
         what = "a MegaTrain save of an older layout: load it with MegaTrain.load and save to a new folder"
     elif (root / "config.json").is_file():
         what = "a model folder (e.g. the one from_pretrained read): save to a new or empty folder"

@@ -142,6 +142,10 @@ def test_save_into_a_non_checkpoint_folder_is_refused_with_one_line(tmp_path):
     with pytest.raises(CheckpointRefused, match="not empty and not a MegaTrain checkpoint") as err:
         e.save(target)
     assert "\n" not in str(err.value) and "notes.txt" in str(err.value)
+    e.save(tmp_path / "ck")
+    before = tree(tmp_path)
+    with pytest.raises(CheckpointRefused, match="one save of a checkpoint: save to the checkpoint folder"):
+        e.save(tmp_path / "ck" / "step-000000")
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(CheckpointRefused, match="not a folder"):
         e.save(tmp_path / "a-file")
@@ -320,6 +324,17 @@ def test_a_save_of_the_previous_layout_loads_and_is_converted_in_place(tmp_path,
     assert ours(ck) == ["step-000001", "step-000002"] and (ck / "latest").read_text().strip() == "step-000002"
     assert MegaTrain.load(ck, verbose=False).step_count == 2
     assert MegaTrain.load(ck / "step-000001", verbose=False).step_count == 1
+    e.close()
+
+
+def test_an_export_never_replaces_a_save_of_the_previous_layout(tmp_path):
+    e = new_engine()
+    e.step(batch(0))
+    ck = _previous_layout_save(e, tmp_path)
+    before = tree(tmp_path)
+    with pytest.raises(CheckpointRefused, match="holds a MegaTrain save"):
+        e.save_pretrained(ck)
+    assert tree(tmp_path) == before
     e.close()
 
 
