@@ -388,3 +388,27 @@ def test_initial_weights_are_written_whole_and_never_over_a_users_folder(tmp_pat
     write_initial_weights(SPEC, tmp_path / "init")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["init"] and not (tmp_path / "init").is_symlink()
     MegaTrain.from_pretrained(tmp_path / "init", cfg(), verbose=False).close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_mixed_tiers_save_load_resume(tmp_path):
+    """On the GPU, with AdamW state on both tiers: save, load, continue = uninterrupted (fp32, TF32 off)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    c = cfg(device="cuda", compute_dtype="fp32", gpu_resident="1", attn_implementation="sdpa")
+    hf = SPEC.to_hf_config("sdpa")
+    straight = MegaTrain.from_config(hf, c, verbose=False)
+    expected = [straight.step(batch(i)).loss for i in range(4)]
+    final = {k: v.clone() for k, v in straight.state_dict().items()}
+    straight.close()
+    first = MegaTrain.from_config(hf, c, verbose=False)
+    losses = [first.step(batch(i)).loss for i in range(2)]
+    first.save(tmp_path / "ck")
+    first.close()
+    resumed = MegaTrain.load(tmp_path / "ck", verbose=False)
+    assert resumed.placement.gpu_layers == 1  # the saved engine config, placement included
+    losses += [resumed.step(batch(i)).loss for i in range(2, 4)]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-6, atol=0)
+    for name, value in resumed.state_dict().items():
+        torch.testing.assert_close(value, final[name], rtol=1e-6, atol=1e-7)
+    resumed.close()
