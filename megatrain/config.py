@@ -88,6 +88,8 @@ class EngineConfig:
     host_link_gbps: Optional[float] = None
     attn_implementation: str = "sdpa"
     seed: int = 0
+    # Saves kept in a checkpoint folder: ``save`` removes the engine's own step folders beyond the newest N.
+    keep_checkpoints: int = 2
     optim: OptimConfig = field(default_factory=OptimConfig)
 
     def __post_init__(self) -> None:
@@ -103,6 +105,8 @@ class EngineConfig:
             raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
         if self.stream_dtype not in ("fp32", "bf16"):
             raise ValueError(f"stream_dtype must be 'fp32' or 'bf16', got {self.stream_dtype!r}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1 saves, got {self.keep_checkpoints}")
         if self.loss_chunk_tokens < 1:
             raise ValueError("loss_chunk_tokens must be >= 1")
         self.gpu_resident = str(self.gpu_resident).strip().lower()

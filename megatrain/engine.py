@@ -2,7 +2,7 @@
 
     engine = MegaTrain.from_config(hf_config, EngineConfig(...))     # or .from_pretrained(dir)
     result = engine.step({"input_ids": ids, "labels": labels})       # forward, backward, AdamW
-    engine.save(dir); engine = MegaTrain.load(dir)                   # resume with optimizer state
+    engine.save(dir); engine = MegaTrain.load(dir)                   # resume with optimizer state (dir/step-N/)
 
 One step reads top to bottom (see ``step``): forward through streamed layers keeping block-boundary
 activations, chunked loss, backward block by block with recompute, gradients out to the host, then the
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import arch, checkpoint, memory, placement
+from . import arch, checkpoint, checkpoint_layout, memory, placement
 from .boundaries import HostBuffers, make_boundaries
 from .config import EngineConfig
 from .device_adamw import DeviceAdamW
@@ -184,14 +184,19 @@ class MegaTrain:
 
     @classmethod
     def from_pretrained(cls, path: str, cfg: EngineConfig | None = None, **kw) -> "MegaTrain":
-        """Load a local HF directory (config.json + safetensors, sharded or not) tensor by tensor."""
+        """Load a local HF directory (config.json + safetensors, sharded or not) tensor by tensor; a
+        checkpoint folder written by ``save`` reads its ``latest`` step folder."""
+        path = checkpoint_layout.resolve(path)
         hf_config = checkpoint.read_config(path)
-        return cls(hf_config, cfg, _weights="load", _source=str(path), **kw)
+        engine = cls(hf_config, cfg, _weights="load", _source=str(path), **kw)
+        engine.source_dir = str(path)  # its tokenizer files travel into every save
+        return engine
 
     @classmethod
     def load(cls, path: str, cfg: EngineConfig | None = None, **kw) -> "MegaTrain":
         """Resume from ``save``: weights, AdamW state and step counter (engine config from the save unless
-        ``cfg`` is given)."""
+        ``cfg`` is given). ``path``: a checkpoint folder (its ``latest`` step) or one of its step folders."""
+        path = checkpoint_layout.resolve(path)
         saved_cfg, step = checkpoint.read_engine_state(path)
         engine = cls.from_pretrained(path, cfg or saved_cfg, **kw)
         dist = engine.dist
@@ -473,16 +478,29 @@ class MegaTrain:
         self.synchronize()
         return self.store.state_dict()
 
-    def save(self, path: str) -> None:
-        """Weights (HF safetensors layout, loadable by ``from_pretrained`` and by HF), AdamW state and
-        the step counter; written to a temporary folder and renamed, so a crash leaves no half save."""
+    def save(self, path: str):
+        """Save into checkpoint folder ``path`` (docs/checkpoints.md): a new ``step-NNNNNN/`` folder with
+        the weights (HF layout: ``from_pretrained`` and HF load it), AdamW state and step counter, then
+        ``path/latest`` switched to it atomically; the engine's own saves beyond the newest
+        ``cfg.keep_checkpoints`` are removed. Nothing else in ``path`` is touched; a non-empty folder that
+        is not a MegaTrain checkpoint is refused. Returns the step folder (None on ranks other than 0)."""
         self.synchronize()
+        written = None
         if self.dist is None or self.dist.rank == 0:  # data parallel: every rank holds the same model
-            checkpoint.save(self, path)
+            written = checkpoint.save(self, path, keep=self.cfg.keep_checkpoints)
         if self.dist:
             self.dist.barrier("checkpoint written")  # nobody reads it (resume) before it is complete
+        return written
 
-    save_pretrained = save
+    def save_pretrained(self, path: str):
+        """The weights alone as a plain HF folder at ``path`` (new or empty), e.g. to publish a model."""
+        self.synchronize()
+        written = None
+        if self.dist is None or self.dist.rank == 0:
+            written = checkpoint.export_hf(self, path)
+        if self.dist:
+            self.dist.barrier("weights exported")
+        return written
 
     def memory(self) -> MemoryStats:
         self._sample_rss()

@@ -47,8 +47,9 @@ def test_engine_save_is_loadable_by_hf(tmp_path):
     spec = PRESETS["tiny-qwen2"]
     e = MegaTrain.from_config(spec.to_hf_config("eager"), cfg(), verbose=False)
     e.step(data(spec, 1)[0])
-    e.save(tmp_path / "ck")
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ck")
+    step_dir = e.save(tmp_path / "ck")
+    assert step_dir == tmp_path / "ck" / "step-000001"  # HF reads a step folder (the root resolves for MegaTrain)
+    hf = AutoModelForCausalLM.from_pretrained(step_dir)
     ours = e.state_dict()
     for name, value in hf.state_dict().items():
         key = "model.embed_tokens.weight" if name == "lm_head.weight" else name  # tied
@@ -175,8 +176,8 @@ def test_failed_save_leaves_previous_save_intact(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "_write_shards", boom)
     with pytest.raises(OSError, match="disk full"):
         e.save(tmp_path / "ck")
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == before
-    # Nothing left over but the version "ck" points to (saves are versioned folders behind a symlink).
-    current = os.readlink(tmp_path / "ck")
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != current] == []
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == before  # no half step folder, latest unchanged
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "step-000000"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    MegaTrain.load(tmp_path / "ck", verbose=False).close()
     e.close()
