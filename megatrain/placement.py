@@ -42,7 +42,7 @@ from . import activations, cost_model
 from .chunked_mlp import AUTO_MIN_TOKENS, resolve_chunk
 
 GIB = 2**30
-CONTESTED_GAIN = 0.02  # a plan with fewer GPU-tier groups must be predicted this much faster to be chosen
+CONTESTED_GAIN = 0.05  # a plan with fewer GPU-tier groups must be predicted this much faster to be chosen
 OVERHEAD_HOST_BYTES = int(1.5 * GIB)  # Python, torch, CUDA context on the host (measured order)
 GPU_TIER_BYTES_PER_PARAM = 12  # fp32 master + m + v
 HOST_TIER_BYTES_PER_PARAM = 12
@@ -175,7 +175,7 @@ class Placement:
                      f"{_count(self.params_on('gpu'))} params; host tier: {names('host')} = "
                      f"{_count(self.params_on('host'))} params"]
         else:  # a CPU run: one memory, no GPU tier to speak of
-            lines = [f"placement (CPU run: every group and every activation in host RAM): "
+            lines = [f"placement (CPU run: every group and every activation in host RAM; grad_placement={grads}): "
                      f"{_count(sum(self.numels.values()))} params"]
         chunk = "none" if self.mlp_chunk_tokens < 0 else f"{self.mlp_chunk_tokens} tokens"
         lines.append(f"  MLP chunk: {chunk} ({self.mlp_chunk_reason})")
@@ -334,6 +334,10 @@ def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool
     if probe is not shape and on_gpu and not problems and placement.mlp_chunk_tokens < 0:
         # recompute="auto": now the activation plan, with the MLP chunk decided above (unchunked)
         placement, problems = _plan_grads(numels, replace(shape, mlp_chunk_tokens=-1), grads, args)
+    elif probe is not shape:  # "auto" that keeps nothing, and why
+        placement.recompute_reason = ("CPU run: recompute every block (no GPU memory to plan)" if not on_gpu else
+                                      "auto: nothing kept (the MLP is chunked)" if placement.mlp_chunk_tokens > 0
+                                      else "auto: nothing kept (the plan does not fit)")
     placement.grad_setting, placement.mlp_chunk_reason, placement.recompute = grads, reason, asked
     if problems:
         raise DoesNotFit(_refusal(problems, placement, asked), placement)
@@ -410,8 +414,7 @@ def _plan_with(numels, shape, *, setting, on_gpu, gpu_free, host_available, gpu_
     elif shape.recompute == "none":
         shape, reason = replace(shape, kept_blocks=tuple(range(shape.num_blocks))), "asked: keep every block"
     else:
-        reason = "asked: recompute every block" if shape.recompute == "all" or on_gpu else \
-            "CPU run: recompute every block (no GPU memory to plan)"
+        reason = "asked: recompute every block"
         shape = replace(shape, kept_blocks=())
     if tiers is None and setting != "auto":
         tiers = tiers_for_layers(names, int(setting))
@@ -441,7 +444,7 @@ def _plan_with(numels, shape, *, setting, on_gpu, gpu_free, host_available, gpu_
                            f"(minus a {gpu_margin / GIB:.1f} GiB margin = {gpu_budget / GIB:.2f} GiB)")
     if not on_gpu:  # both "tiers" and the activations share host memory (CPU runs, tests): one number
         if host_total + gpu_total > host_budget:
-            problems["host"] = (f"host RAM needs {(host_total + gpu_total) / GIB:.2f} GiB (CPU run: weights, "
+            problems["host"] = (f"host needs {(host_total + gpu_total) / GIB:.2f} GiB of RAM (CPU run: weights, "
                                 f"optimizer state and activations) but {host_available / GIB:.2f} GiB is available "
                                 f"(minus a {host_margin / GIB:.1f} GiB margin = {host_budget / GIB:.2f} GiB)")
     elif host_total > host_budget:
