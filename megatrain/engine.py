@@ -314,23 +314,26 @@ class MegaTrain:
                 for b, h in enumerate(hidden):
                     boundaries.keep(b, i, h)
             slot = self.pool.acquire(i)
-            layer = slot.template(self.kinds[i])
             for b in range(len(mbs)):
-                masks, pos, pos_emb = ctx[b]
-                if not kept:
-                    with torch.no_grad():
-                        hidden[b] = arch.run_layer(layer, hidden[b], masks[self.kinds[i]], pos, pos_emb,
-                                                   st.mlp_chunk)
-                    continue
-                # A kept block: the layer's graph is made now and kept for the backward, its weights saved
-                # by position in the slot (megatrain/keep.py), so the slot is free for the next load.
-                x_in = hidden[b].detach().requires_grad_(True)
-                with torch.enable_grad(), st.kept.recording(i, slot):
-                    out = arch.run_layer(layer, x_in, masks[self.kinds[i]], pos, pos_emb, st.mlp_chunk)
-                st.kept.graphs[(b, i)] = KeptGraph(x_in, out, slot.params[self.kinds[i]])
-                hidden[b] = out.detach()
+                hidden[b] = self._layer_forward(i, slot, b, hidden[b], ctx[b], st, keep=kept)
             self.pool.release(slot)
         return hidden, boundaries, ctx
+
+    def _layer_forward(self, i: int, slot, b: int, x: torch.Tensor, ctx, st: "_StepState", keep: bool):
+        """Layer ``i`` (in ``slot``) on micro-batch ``b``'s hidden state: without autograd, or, in a kept
+        block, with autograd and the graph kept in ``st.kept`` for the backward."""
+        masks, pos, pos_emb = ctx
+        layer, mask = slot.template(self.kinds[i]), masks[self.kinds[i]]
+        if not keep:
+            with torch.no_grad():
+                return arch.run_layer(layer, x, mask, pos, pos_emb, st.mlp_chunk)
+        # The graph saves the weights by position in the slot (megatrain/keep.py): the slot is released after
+        # this layer as usual, and the backward reads them from whichever slot holds the layer then.
+        x_in = x.detach().requires_grad_(True)
+        with torch.enable_grad(), st.kept.recording(i, slot):
+            out = arch.run_layer(layer, x_in, mask, pos, pos_emb, st.mlp_chunk)
+        st.kept.graphs[(b, i)] = KeptGraph(x_in, out, slot.params[self.kinds[i]])
+        return out.detach()
 
     def _loss(self, hidden: list[torch.Tensor], mbs: list[_MicroBatch], denom: int, st: "_StepState"):
         final_views = self._resident_weight("final")
@@ -362,7 +365,10 @@ class MegaTrain:
             for i, slot in zip(layers, slots):
                 st.kept.bind(i, slot)  # a kept graph's weights are read from here (megatrain/keep.py)
             for b in range(len(mbs)):
-                graphs = [st.kept.take(b, i) for i in layers] if kept else self._recompute(b, layers, slots, boundaries, ctx, st)
+                if kept:  # the graphs the forward made
+                    graphs = [st.kept.take(b, i) for i in layers]
+                else:
+                    graphs = self._recompute(b, layers, slots, boundaries, ctx, st)
                 grad = d_hidden[b]
                 for j in reversed(range(len(layers))):
                     i, slot, g = layers[j], slots[j], graphs[j]
@@ -536,8 +542,8 @@ class MegaTrain:
 
     @property
     def info(self) -> dict:
-        """The plan's decisions and the step-time model's prediction, flat (for rows): ``recompute`` (as
-        asked), ``blocks``, ``blocks_kept``, ``recompute_blocks`` ("kept 3/18"), ``gpu_resident_layers``,
+        """The plan's decisions and the step-time model's prediction, flat (for rows): ``recompute_setting``
+        (as asked), ``blocks``, ``blocks_kept``, ``recompute_blocks`` ("kept 3/18"), ``gpu_resident_layers``,
         ``predicted_step_s`` and its parts ``predicted_forward_s``, ``predicted_backward_s``,
         ``predicted_recompute_s``, ``predicted_loss_s``, ``predicted_host_update_s``,
         ``predicted_host_update_exposed_s``, ``predicted_gpu_update_s``, ``predicted_h2d_s``,

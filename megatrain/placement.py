@@ -150,7 +150,7 @@ class Placement:
 
     def info(self) -> dict:
         """The plan's decisions and prediction as flat keys (``MegaTrain.info``; the runner's rows)."""
-        out = {"recompute": self.recompute, "blocks": self.num_blocks, "blocks_kept": len(self.kept_blocks),
+        out = {"recompute_setting": self.recompute, "blocks": self.num_blocks, "blocks_kept": len(self.kept_blocks),
                "recompute_blocks": self.kept_text, "gpu_resident_layers": self.gpu_layers,
                "predicted_step_s": self.prediction.step_s if self.prediction else None}
         if self.prediction:

@@ -114,13 +114,12 @@ def test_cuda_kept_activations_match_recompute_all(recompute, kw):
 
 
 def test_cuda_auto_keeps_what_the_plan_says_and_reports_it():
-    """recompute="auto" on a GPU with room: the tiny model keeps every block, the step reports the plan's
-    prediction beside its own time, and the GPU peak stays inside the plan's prediction."""
+    """recompute="auto" on a GPU with room: the tiny model keeps every block, and the step and the memory
+    stats report the plan's choice and prediction beside the step's own time."""
     spec = PRESETS["tiny-qwen2"]
     engine = MegaTrain.from_config(spec.to_hf_config("sdpa"), EngineConfig(device="cuda", optim=OPTIM),
                                    verbose=False, tokens_per_step=8 * 128, seq_len=128)
     assert engine.info["blocks_kept"] == engine.info["blocks"] and engine.info["predicted_step_s"] > 0
-    torch.cuda.reset_peak_memory_stats()
     for s in range(2):
         engine.step(synthetic_batch(spec.vocab_size, 8, 128, 1, s))
     assert engine.stats["predicted_step_s"] == engine.info["predicted_step_s"] and engine.stats["blocks_kept"] > 0
