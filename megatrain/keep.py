@@ -20,6 +20,13 @@ from dataclasses import dataclass, field
 import torch
 
 
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (never a slot's weight)
+        return None
+
+
 @dataclass
 class _WeightRef:
     """A weight view saved by a kept layer's graph, by position in the layer's slot."""
@@ -53,7 +60,7 @@ class KeptBlocks:
         base = slot.buf.storage_offset()
 
         def pack(t: torch.Tensor):
-            if t.device == slot.buf.device and t.untyped_storage().data_ptr() == storage:
+            if t.device == slot.buf.device and t.layout == torch.strided and _storage_ptr(t) == storage:
                 return _WeightRef(layer, t.storage_offset() - base, tuple(t.size()), tuple(t.stride()))
             return t
 

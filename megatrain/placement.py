@@ -179,7 +179,7 @@ class Placement:
                      f"{_count(sum(self.numels.values()))} params"]
         chunk = "none" if self.mlp_chunk_tokens < 0 else f"{self.mlp_chunk_tokens} tokens"
         lines.append(f"  MLP chunk: {chunk} ({self.mlp_chunk_reason})")
-        lines.append(f"  activations: {self.kept_text} blocks of {self.block} layers kept, the rest recomputed "
+        lines.append(f"  activations: {self.kept_text} blocks (K = {self.block}) kept, the rest recomputed "
                      f"(recompute={self.recompute}: {self.recompute_reason})")
         if self.prediction is not None:
             lines.append(f"  {self.prediction.describe()}")
