@@ -345,9 +345,14 @@ def _megatrain_plan(point: Job, gpu_bytes: int) -> dict:
     from megatrain.memory import plan_for_spec
 
     spec, refusal = point.model_spec(), None
-    kw = dict(micro_batches=point.micro_batches, tokens_per_step=point.seq_len * point.batch_size)
+    kw = dict(micro_batches=point.micro_batches, tokens_per_step=point.seq_len * point.batch_size,
+              seq_len=point.seq_len)
+    try:  # the plan the engine will make (its step-time model chooses within the host RAM it sees) ...
+        plan = plan_for_spec(spec, point.options, gpu_free=gpu_bytes, host_available=available_host(point), **kw)
+    except MemoryError:  # ... or, where that does not fit, what the host side needs
+        plan = None
     try:
-        plan = plan_for_spec(spec, point.options, gpu_free=gpu_bytes, host_available=1 << 62, **kw)
+        plan = plan or plan_for_spec(spec, point.options, gpu_free=gpu_bytes, host_available=1 << 62, **kw)
     except MemoryError as e:  # the GPU side alone does not fit: the host side of pure streaming, for the numbers
         refusal = str(e).splitlines()[0].replace("model does not fit: ", "")
         plan = plan_for_spec(spec, dict(point.options, gpu_resident="0"), gpu_free=1 << 62,

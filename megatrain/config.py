@@ -82,6 +82,12 @@ class EngineConfig:
     # fp32 host buffer, 4 B/param of host RAM; only the GPU tier's gradients stay on the GPU) or "auto"
     # ("gpu" when the placement plan fits the GPU with them there, else "host").
     grad_placement: str = "auto"
+    # Activations of each checkpoint block: kept from the forward to the backward (no recompute) or recomputed
+    # from the block's boundary. "all": recompute every block (the paper); "none": keep every block (refused
+    # when that does not fit the GPU); "auto": the placement plan keeps what fits in the GPU memory the tiers
+    # leave, and where a GPU byte could hold a GPU-tier layer or kept activations the step-time model picks
+    # the faster split (megatrain/placement.py, cost_model.py). On a CPU run "auto" recomputes as "all".
+    recompute: str = "auto"
     # Emulate a host link (host <-> GPU) of this many GB/s each way, slower than the real one: each
     # weight/gradient/activation copy over it is followed on its copy stream by a GPU sleep for the
     # difference (megatrain/link.py; CUDA only). None = the real link, untouched.
@@ -116,6 +122,14 @@ class EngineConfig:
             raise ValueError(f"speculate must be 'auto', 'always' or 'never', got {self.speculate!r}")
         if self.boundary_offload not in ("auto", "gpu", "host"):
             raise ValueError(f"boundary_offload must be 'auto', 'gpu' or 'host', got {self.boundary_offload!r}")
+        if self.recompute not in ("auto", "all", "none"):
+            raise ValueError(f"recompute must be 'auto', 'all' or 'none', got {self.recompute!r}")
+        if self.recompute == "none" and self.mlp_chunk_tokens > 0:
+            raise ValueError(f"recompute='none' keeps every layer's activations, but mlp_chunk_tokens="
+                             f"{self.mlp_chunk_tokens} recomputes the MLP in the backward; use one or the other")
+        if self.recompute == "none" and self.boundary_offload == "host":
+            raise ValueError("recompute='none' keeps every block's activations on the GPU: there are no block "
+                             "boundaries for boundary_offload='host' to offload; use one or the other")
         if self.grad_placement not in ("auto", "gpu", "host"):
             raise ValueError(f"grad_placement must be 'auto', 'gpu' or 'host', got {self.grad_placement!r}")
         if self.max_position_embeddings < 0:

@@ -5,8 +5,8 @@
     engine.save(dir); engine = MegaTrain.load(dir)                   # resume with optimizer state (dir/step-N/)
 
 One step reads top to bottom (see ``step``): forward through streamed layers keeping block-boundary
-activations, chunked loss, backward block by block with recompute, gradients out to the host, then the
-optimizer: fused AdamW on the GPU for the GPU tier, a worker thread for the host tier (speculatively
+activations (or, for the blocks the plan keeps, their autograd graphs), chunked loss, backward block by
+block (recomputing the blocks not kept), gradients out to the host, then the optimizer: fused AdamW on the GPU for the GPU tier, a worker thread for the host tier (speculatively
 during the backward when clipping is not expected, overlapping the next forward either way).
 """
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .device_adamw import DeviceAdamW
 from .grad_offload import GradStream
 from .grad_placement import make_grad_home
 from .host_adamw import HostAdamW
+from .keep import KeptBlocks, KeptGraph
 from .link import make_link
 from .loss import chunked_lm_loss
 from .optim import Optimizers
@@ -48,6 +49,7 @@ class _StepState:
     embed_w: torch.Tensor | None = None  # the resident embedding (the tied head reads it)
     embed_grad: torch.Tensor | None = None  # tied: the head gradient the embedding backward adds into
     mlp_chunk: int = -1  # mlp_chunk_tokens this step's layers run with (MegaTrain._mlp_chunk), forward and recompute
+    kept: KeptBlocks | None = None  # the kept blocks' graphs, forward to backward
 
 
 # Tokens per micro-batch the placement plan sizes activations for unless told (tokens_per_step=...).
@@ -70,11 +72,15 @@ class MegaTrain:
     # -- construction --------------------------------------------------------------------------------
     def __init__(self, hf_config, cfg: EngineConfig | None = None, *, _weights: str = "init",
                  _source: str | None = None, verbose: bool = True, tokens_per_step: int | None = None,
-                 seq_len: int | None = None, tiers: dict[str, str] | None = None, dist=None):
+                 seq_len: int | None = None, tiers: dict[str, str] | None = None, keep: set[int] | None = None,
+                 rates=None, dist=None):
         """``tokens_per_step`` / ``seq_len``: the step the placement plan sizes activations for (default:
-        one sequence of min(max positions, DEFAULT_PLAN_TOKENS) per micro-batch; a larger batch warns). ``tiers``: group name -> "gpu" | "host", overriding
-        the plan's choice (advanced; tests use it for mixed placements). ``dist``: a
-        ``megatrain.distributed.DataParallel`` to train data-parallel with one host store per node."""
+        one sequence of min(max positions, DEFAULT_PLAN_TOKENS) per micro-batch; a larger batch warns).
+        ``tiers``: group name -> "gpu" | "host", overriding the plan's choice; ``keep``: the checkpoint blocks
+        (index b = layers b*K ..) whose activations are kept, overriding ``cfg.recompute`` (advanced; tests
+        use both for mixed placements). ``rates``: a ``megatrain.cost_model.Rates`` of this machine for the
+        step-time model (default: the H200's). ``dist``: a ``megatrain.distributed.DataParallel`` to train
+        data-parallel with one host store per node."""
         cfg = cfg or EngineConfig()
         arch.check_supported(hf_config)
         hf_config = copy.deepcopy(hf_config)
@@ -98,16 +104,16 @@ class MegaTrain:
         self.kinds = arch.layer_kinds(hf_config)
         self.tied = bool(hf_config.tie_word_embeddings)
         self.pad_idx = self.meta.model.embed_tokens.padding_idx
-        k = cfg.checkpoint_interval or self.num_layers
-        self.block = min(k, self.num_layers)
-        # Pool: one block resident through recompute + backward, plus (num_slots - 1) prefetch slots.
-        self.num_pool_slots = self.block + cfg.num_slots - 1
         on_gpu = self.device.type == "cuda"
         pin = on_gpu and cfg.pin_memory
         self._boundary_host = HostBuffers(pin, self.link)  # offloaded block boundaries' host home, reused
 
         # Placement: which groups live on the GPU tier, checked against both memories before allocating.
-        self.placement = self._plan(tokens_per_step, seq_len, tiers)
+        self.placement = self._plan(tokens_per_step, seq_len, tiers, keep, rates)
+        # K and the pool (one block resident through recompute + backward, plus num_slots - 1 prefetch
+        # slots) and the blocks whose activations are kept: as the plan sized them.
+        self.block, self.num_pool_slots = self.placement.block, self.placement.num_pool_slots
+        self.kept = frozenset(self.placement.kept_blocks)
         if verbose:
             print(f"[megatrain] {self.placement.summary()}", flush=True)
         if _weights == "load":
@@ -159,7 +165,7 @@ class MegaTrain:
         self._peak_rss = 0
         self.stats: dict[str, float] = {}  # host-side timings of the last step (see _Timer)
 
-    def _plan(self, tokens_per_step, seq_len, tiers) -> placement.Placement:
+    def _plan(self, tokens_per_step, seq_len, tiers, keep, rates) -> placement.Placement:
         cfg, c = self.cfg, torch.finfo(self.dtype).bits // 8
         seq = seq_len or min(self.config.max_position_embeddings, DEFAULT_PLAN_TOKENS)
         tokens = tokens_per_step or seq * cfg.micro_batches
@@ -169,13 +175,13 @@ class MegaTrain:
         on_gpu = self.device.type == "cuda"
         shape = memory.step_shape(cfg, num_layers=self.num_layers, hidden=hc.hidden_size, ffn=hc.intermediate_size,
                                   vocab=hc.vocab_size, tokens_per_micro_batch=self.planned_tokens_per_micro_batch,
-                                  compute_bytes=c, on_gpu=on_gpu)
+                                  compute_bytes=c, on_gpu=on_gpu, seq_len=seq)
         gpu_free = memory.gpu_free_bytes(self.device) if on_gpu else 0
         return placement.plan({g.name: g.numel for g in self.groups}, shape, setting=cfg.gpu_resident,
                               on_gpu=on_gpu, gpu_free=gpu_free, host_available=memory.available_host_bytes(),
                               gpu_margin=int(cfg.gpu_margin_gib * placement.GIB),
                               host_margin=int(cfg.host_margin_gib * placement.GIB), tiers=tiers,
-                              grads=cfg.grad_placement)
+                              grads=cfg.grad_placement, kept=keep, rates=rates)
 
     @classmethod
     def from_config(cls, hf_config, cfg: EngineConfig | None = None, **kw) -> "MegaTrain":
@@ -254,7 +260,10 @@ class MegaTrain:
         loss_value = float(loss)  # a CPU-GPU sync point: the step's GPU work is done after this
         timer("optimizer_launch_s")
         after = self._counters()
-        self.stats.update(speculated=float(self.optimizer.speculating), clipped=float(coef is not None and coef < 1),
+        predicted = self.placement.prediction
+        self.stats.update(predicted_step_s=predicted.step_s if predicted else float("nan"),
+                          blocks_kept=float(len(self.kept)),
+                          speculated=float(self.optimizer.speculating), clipped=float(coef is not None and coef < 1),
                           skipped=float(coef is None), step_s=time.perf_counter() - t0,
                           **{k: after[k] - before[k] for k in after})
         self._sample_rss()
@@ -292,27 +301,44 @@ class MegaTrain:
         embed_w = st.embed_w = self._resident_weight("embed")[0]
         tokens = [mb.ids.numel() for mb in mbs]
         st.mlp_chunk = self._mlp_chunk(tokens)
-        # The boundary budget leaves room for the working set of the chunk the layers will run with.
-        boundaries = make_boundaries(self.cfg, self.streams, model_config=self.config, block=self.block, dtype=self.dtype,
-                                     tokens=tokens, host=self._boundary_host, mlp_chunk_tokens=st.mlp_chunk)
+        # Where the boundaries of the recomputed blocks live: decided by the plan (boundary_offload).
+        recomputed = self.placement.num_blocks - len(self.kept)
+        boundaries = make_boundaries(self.cfg, self.streams, model_config=self.config, block=self.block,
+                                     dtype=self.dtype, tokens=tokens, host=self._boundary_host,
+                                     on_gpu=self.placement.boundaries_on_gpu, total=recomputed * len(mbs))
+        st.kept = KeptBlocks()
         ctx = []
         with torch.no_grad():
             hidden = [F.embedding(mb.ids, embed_w) for mb in mbs]
             for h, mb in zip(hidden, mbs):
                 masks = arch.make_masks(self.config, h, mb.attention_mask, mb.position_ids)
                 ctx.append((masks, mb.position_ids, self.rotary(h, mb.position_ids)))
-            for i in range(self.num_layers):
-                if i % self.block == 0:  # block boundary: the only activations kept for backward
-                    for b, h in enumerate(hidden):
-                        boundaries.keep(b, i, h)
-                slot = self.pool.acquire(i)
-                layer = slot.template(self.kinds[i])
-                for b in range(len(mbs)):
-                    masks, pos, pos_emb = ctx[b]
-                    hidden[b] = arch.run_layer(layer, hidden[b], masks[self.kinds[i]], pos, pos_emb,
-                                               st.mlp_chunk)
-                self.pool.release(slot)
+        for i in range(self.num_layers):
+            kept = i // self.block in self.kept
+            if i % self.block == 0 and not kept:  # a recomputed block's boundary: all its backward needs
+                for b, h in enumerate(hidden):
+                    boundaries.keep(b, i, h)
+            slot = self.pool.acquire(i)
+            for b in range(len(mbs)):
+                hidden[b] = self._layer_forward(i, slot, b, hidden[b], ctx[b], st, keep=kept)
+            self.pool.release(slot)
         return hidden, boundaries, ctx
+
+    def _layer_forward(self, i: int, slot, b: int, x: torch.Tensor, ctx, st: "_StepState", keep: bool):
+        """Layer ``i`` (in ``slot``) on micro-batch ``b``'s hidden state: without autograd, or, in a kept
+        block, with autograd and the graph kept in ``st.kept`` for the backward."""
+        masks, pos, pos_emb = ctx
+        layer, mask = slot.template(self.kinds[i]), masks[self.kinds[i]]
+        if not keep:
+            with torch.no_grad():
+                return arch.run_layer(layer, x, mask, pos, pos_emb, st.mlp_chunk)
+        # The graph saves the weights by position in the slot (megatrain/keep.py): the slot is released after
+        # this layer as usual, and the backward reads them from whichever slot holds the layer then.
+        x_in = x.detach().requires_grad_(True)
+        with torch.enable_grad(), st.kept.recording(i, slot):
+            out = arch.run_layer(layer, x_in, mask, pos, pos_emb, st.mlp_chunk)
+        st.kept.graphs[(b, i)] = KeptGraph(x_in, out, slot.params[self.kinds[i]])
+        return out.detach()
 
     def _loss(self, hidden: list[torch.Tensor], mbs: list[_MicroBatch], denom: int, st: "_StepState"):
         final_views = self._resident_weight("final")
@@ -340,29 +366,39 @@ class MegaTrain:
         for start in reversed(range(0, self.num_layers, self.block)):
             layers = list(range(start, min(start + self.block, self.num_layers)))
             slots = [self.pool.acquire(i) for i in layers]  # prefetched while the previous block ran
+            kept = start // self.block in self.kept
+            for i, slot in zip(layers, slots):
+                st.kept.bind(i, slot)  # a kept graph's weights are read from here (megatrain/keep.py)
             for b in range(len(mbs)):
-                masks, pos, pos_emb = ctx[b]
-                inputs, outputs = [], []
-                with torch.enable_grad():  # recompute the block with autograd, one graph per layer
-                    x = boundaries.take(b, start)
-                    for i, slot in zip(layers, slots):
-                        x_in = x.detach().requires_grad_(True)
-                        x = arch.run_layer(slot.template(self.kinds[i]), x_in, masks[self.kinds[i]], pos, pos_emb,
-                                           st.mlp_chunk)
-                        inputs.append(x_in)
-                        outputs.append(x)
+                if kept:  # the graphs the forward made
+                    graphs = [st.kept.take(b, i) for i in layers]
+                else:
+                    graphs = self._recompute(b, layers, slots, boundaries, ctx, st)
                 grad = d_hidden[b]
                 for j in reversed(range(len(layers))):
-                    i, slot = layers[j], slots[j]
-                    params = slot.params[self.kinds[i]]
-                    grads = torch.autograd.grad(outputs[j], [inputs[j], *params], grad, allow_unused=True)
+                    i, slot, g = layers[j], slots[j], graphs[j]
+                    grads = torch.autograd.grad(g.output, [g.input, *g.params], grad, allow_unused=True)
                     grad = grads[0]
-                    inputs[j] = outputs[j] = None  # this layer's activations are free now
-                    self._layer_grad(i, params, grads[1:], st, first=b == 0, last=b == last_mb)
+                    graphs[j] = None  # this layer's activations are free now
+                    self._layer_grad(i, g.params, grads[1:], st, first=b == 0, last=b == last_mb)
                     if b == last_mb:
                         self.pool.release(slot)  # weights no longer needed: the slot can prefetch
                 d_hidden[b] = grad
         self._embedding_backward(mbs, d_hidden, st)
+
+    def _recompute(self, b: int, layers: list[int], slots, boundaries, ctx, st: "_StepState") -> list[KeptGraph]:
+        """A recomputed block's forward for micro-batch ``b`` with autograd from its boundary, one graph per
+        layer (the backward's weights are the slots' own: no position hooks needed)."""
+        masks, pos, pos_emb = ctx[b]
+        graphs = []
+        with torch.enable_grad():
+            x = boundaries.take(b, layers[0])
+            for i, slot in zip(layers, slots):
+                x_in = x.detach().requires_grad_(True)
+                x = arch.run_layer(slot.template(self.kinds[i]), x_in, masks[self.kinds[i]], pos, pos_emb,
+                                   st.mlp_chunk)
+                graphs.append(KeptGraph(x_in, x, slot.params[self.kinds[i]]))
+        return graphs
 
     def _embedding_backward(self, mbs: list[_MicroBatch], d_hidden: list[torch.Tensor], st: "_StepState") -> None:
         embed = self.groups[0]
@@ -514,12 +550,23 @@ class MegaTrain:
                                    "gpu_estimate_bytes": sum(plan.gpu_parts.values()),
                                    "gpu_resident_layers": plan.gpu_layers, "gpu_tier": plan.gpu_names,
                                    "grad_placement": plan.grads, "mlp_chunk_tokens": plan.mlp_chunk_tokens,
+                                   **self.info,
                                    "skipped_steps": self.skipped_steps,
                                    "pool_slots": self.num_pool_slots, "h2d_loads": self.pool.loads})
         if self.device.type == "cuda":
             stats.gpu_peak_allocated = torch.cuda.max_memory_allocated(self.device)
             stats.gpu_peak_reserved = torch.cuda.max_memory_reserved(self.device)
         return stats
+
+    @property
+    def info(self) -> dict:
+        """The plan's decisions and the step-time model's prediction, flat (for rows): ``recompute_setting``
+        (as asked), ``blocks``, ``blocks_kept``, ``recompute_blocks`` ("kept 3/18"), ``gpu_resident_layers``,
+        ``predicted_step_s`` and its parts ``predicted_forward_s``, ``predicted_backward_s``,
+        ``predicted_recompute_s``, ``predicted_loss_s``, ``predicted_host_update_s``,
+        ``predicted_host_update_exposed_s``, ``predicted_gpu_update_s``, ``predicted_h2d_s``,
+        ``predicted_d2h_s`` (None / absent on a CPU run, where nothing is predicted)."""
+        return self.placement.info()
 
     @property
     def host_estimate(self) -> dict:
