@@ -526,6 +526,8 @@ class MegaTrain:
                                    "gpu_resident_layers": plan.gpu_layers, "gpu_tier": plan.gpu_names,
                                    "grad_placement": plan.grads, "mlp_chunk_tokens": plan.mlp_chunk_tokens,
                                    "skipped_steps": self.skipped_steps,
+                                   "update_path": self.cfg.update_path,
+                                   "gpu_path_staging_bytes": self.host_tier.gpu.staging_bytes if self.host_tier.gpu else 0,
                                    "pool_slots": self.num_pool_slots, "h2d_loads": self.pool.loads})
         if self.device.type == "cuda":
             stats.gpu_peak_allocated = torch.cuda.max_memory_allocated(self.device)

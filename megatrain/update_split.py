@@ -58,6 +58,17 @@ class Split:
     reason: str = ""
 
 
+def _cpu_finish_s(params: float, head_s: float, gpu_s: float, rates: UpdateRates) -> float:
+    """Seconds after the norm until the CPU path has updated ``params`` parameters, when it started ``head_s``
+    before the norm (speculation, at its rate alone) and the GPU path's copies load host memory for the
+    first ``gpu_s`` seconds after it (the loaded rate then, the rate alone after)."""
+    left = max(0.0, params - rates.cpu_gps * GB * head_s)
+    loaded = rates.cpu_loaded_gps * GB * gpu_s
+    if left <= loaded:
+        return left / (rates.cpu_loaded_gps * GB)
+    return gpu_s + (left - loaded) / (rates.cpu_gps * GB)
+
+
 def _cpu_only_s(numels: list[tuple[str, int]], rates: UpdateRates, head_start_s: float) -> float:
     return max(0.0, sum(n for _, n in numels) / (rates.cpu_gps * GB) - head_start_s)
 
@@ -73,7 +84,7 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
     the gradient waits on the GPU; 4 with grad_placement="host"). ``max_numel``: groups larger than this do
     not fit the staging buffers and stay on the CPU path. ``max_gpu_groups``: a cap on the GPU path's size.
     ``speculative``: the CPU path started ``backward_s`` earlier (see module doc)."""
-    cpu_rate, cpu_loaded = rates.cpu_gps * GB, rates.cpu_loaded_gps * GB
+    cpu_loaded = rates.cpu_loaded_gps * GB
     h2d, d2h, gpu_rate = rates.h2d_gbs * GB, rates.d2h_gbs * GB, rates.gpu_gps * GB
     eligible = [(x, n) for x, n in numels if max_numel is None or n <= max_numel]
     head = backward_s if speculative else 0.0
@@ -99,9 +110,8 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
             if (max_numel is not None and n > max_numel) or (max_gpu_groups is not None and k >= max_gpu_groups):
                 break
             taken.append(n)
-            cpu_left = sum(m for _, m in numels[k + 1:])
-            cpu_s = max(0.0, cpu_left / cpu_loaded - head)  # loaded: the GPU path's copies run meanwhile
-            t = max(cpu_s, gpu_time(taken))
+            gpu_s = gpu_time(taken)
+            t = max(_cpu_finish_s(sum(m for _, m in numels[k + 1:]), head, gpu_s, rates), gpu_s)
             if t >= best.predicted_s:
                 break
             best = Split([y for y, _ in numels[:k + 1]], [y for y, _ in numels[k + 1:]], t, only,

@@ -199,7 +199,7 @@ def test_split_after_norm_balances_both_paths_in_forward_order():
     assert split.gpu and split.cpu
     assert sorted(split.gpu + split.cpu, key=[x for x, _ in order].index) == [x for x, _ in order]
     # Both paths together beat the CPU alone by a clear margin with the H200 rates.
-    assert split.predicted_s < 0.75 * split.predicted_cpu_only_s
+    assert split.predicted_s < 0.85 * split.predicted_cpu_only_s
     # Interleaved, not a block: both paths hold groups from the first and the last third of the forward.
     first, last = {x for x, _ in order[:10]}, {x for x, _ in order[-10:]}
     assert first & set(split.gpu) and first & set(split.cpu) and last & set(split.gpu) and last & set(split.cpu)
