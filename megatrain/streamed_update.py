@@ -56,10 +56,10 @@ class _TimedWait:
 
 
 def staging_layout(numels: dict[str, int], budget_bytes: float, rotating: int = ROTATING) -> tuple[int, float]:
-    """(largest group the rotating buffers take, bytes left for kept masters) for a staging budget."""
-    fit = [n for n in numels.values() if rotating * 12 * n <= budget_bytes]
+    """(largest group the rotating buffers (and one fp32 gradient) take, bytes left) for a staging budget."""
+    fit = [n for n in numels.values() if (rotating * 12 + 4) * n <= budget_bytes]
     max_numel = max(fit, default=0)
-    return max_numel, max(0.0, budget_bytes - rotating * 12 * max_numel)
+    return max_numel, max(0.0, budget_bytes - (rotating * 12 + 4) * max_numel)
 
 
 class StreamedAdamW:
@@ -386,7 +386,10 @@ def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host
     candidates = [x for x in host_names if x in set(splits[False].gpu) | set(splits[True].gpu)
                   | set(splits.pop("longest", Split()).gpu)]
     rot_numel = max((numels[x] for x in candidates), default=0)
-    kept_budget = max(0.0, staging_bytes - ROTATING * 12 * rot_numel)
+    # Besides the rotating buffers: one group's gradient widened to fp32 on the update stream (and, with
+    # gradients in host RAM, its uploaded copy) is allocated while the path runs.
+    scratch = (4 + (4 if grads_on_host else 0)) * rot_numel
+    kept_budget = max(0.0, staging_bytes - ROTATING * 12 * rot_numel - scratch)
     gpu = StreamedAdamW(store, cfg.optim, candidates, streams, max_numel=rot_numel, kept_budget=kept_budget,
                         pin=streams.cuda and cfg.pin_memory)
     return HybridHostAdamW(cpu_opt, gpu if candidates else None, splits, rates, replan if candidates else None)

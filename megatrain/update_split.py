@@ -42,6 +42,16 @@ class UpdateRates:
     gpu_gps: float = 100.0  # fused CUDA AdamW, Gparam/s (HBM-bound; ~28 B/param at ~3 TB/s)
     measured: bool = False  # True when ``measure_rates`` filled them on this machine
 
+    @classmethod
+    def from_cost_model(cls, rates) -> "UpdateRates":
+        """From the planner's ``megatrain.cost_model.Rates`` (duck-typed: its field names). Its link rates are
+        one direction alone; the GPU path runs both directions at once, so the measured concurrent ratio
+        (46 of 55 GB/s on the H200) is applied."""
+        both_ways = 46.0 / 55.3
+        return cls(cpu_gps=rates.cpu_adamw_gparams, cpu_loaded_gps=rates.cpu_adamw_under_copy_gparams,
+                   h2d_gbs=rates.h2d_gbps * both_ways, d2h_gbs=rates.d2h_gbps * both_ways,
+                   gpu_gps=rates.gpu_adamw_gparams)
+
     def to_dict(self) -> dict:
         return dict(cpu_gps=self.cpu_gps, cpu_loaded_gps=self.cpu_loaded_gps, h2d_gbs=self.h2d_gbs,
                     d2h_gbs=self.d2h_gbs, gpu_gps=self.gpu_gps, measured=self.measured)
