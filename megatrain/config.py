@@ -95,9 +95,9 @@ class EngineConfig:
     # ("embed,layer.0,layer.3") forced onto it in every step (tests, ablations).
     gpu_path_groups: str = "auto"
     # With "hybrid" on a GPU: GiB the placement plan keeps free for the GPU path's staging (two rotating
-    # master+m+v buffers of the largest group it takes, then kept masters, 4 B/param, in forward order);
-    # GPU memory the plan leaves unused beyond its margin is used as well.
-    update_staging_gib: float = 8.0
+    # master+m+v chunk buffers, ~0.9 GiB at full chunk size, then kept masters, 4 B/param, in forward
+    # order); GPU memory the plan leaves unused beyond its margin is used as well.
+    update_staging_gib: float = 1.0
     attn_implementation: str = "sdpa"
     seed: int = 0
     optim: OptimConfig = field(default_factory=OptimConfig)

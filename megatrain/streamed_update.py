@@ -34,7 +34,9 @@ from .streams import StreamSet, WaitTimer
 from .system import OptimConfig
 from .update_split import Split, UpdateRates, forced_split, measure_rates, plan_split
 
-ROTATING = 2  # staging buffers (p, m, v) in flight: one group uploads while the previous one downloads
+ROTATING = 2  # staging buffers (p, m, v chunks) in flight: one chunk uploads while the previous one downloads
+CHUNK_ELEMS = 1 << 25  # 32M elements per chunk: 384 MiB of p, m, v per buffer; AdamW is elementwise
+MIN_CHUNK_ELEMS = 1 << 20
 GIB = 2**30
 
 
@@ -55,29 +57,39 @@ class _TimedWait:
         return self.event.query()
 
 
-def staging_layout(numels: dict[str, int], budget_bytes: float, rotating: int = ROTATING) -> tuple[int, float]:
-    """(largest group the rotating buffers (and one fp32 gradient) take, bytes left) for a staging budget."""
-    fit = [n for n in numels.values() if (rotating * 12 + 4) * n <= budget_bytes]
-    max_numel = max(fit, default=0)
-    return max_numel, max(0.0, budget_bytes - (rotating * 12 + 4) * max_numel)
+def rotating_bytes(chunk: int, grads_on_host: bool) -> int:
+    """GPU bytes of the rotating buffers (p, m, v chunks) plus one chunk's fp32 gradient (widened, or
+    uploaded from host RAM and widened)."""
+    return (ROTATING * 12 + 4 + (4 if grads_on_host else 0)) * chunk
+
+
+def staging_chunk(largest: int, budget_bytes: float, grads_on_host: bool, chunk: int | None = None) -> int:
+    """The chunk (elements) the staging budget affords: ``chunk`` (default ``CHUNK_ELEMS``), or less by
+    halves, never more than the largest group; 0 when not even ``MIN_CHUNK_ELEMS`` fits."""
+    c = min(chunk or CHUNK_ELEMS, largest)
+    while c > MIN_CHUNK_ELEMS and rotating_bytes(c, grads_on_host) > budget_bytes:
+        c //= 2
+    return c if rotating_bytes(c, grads_on_host) <= budget_bytes else 0
 
 
 class StreamedAdamW:
     """GPU update path for host-tier groups (see module doc). ``names``: every group it may update (forward
-    order); ``kept_budget``: bytes of GPU memory for kept masters (4 B/param), given to groups in forward
-    order; ``max_numel``: the rotating buffers' size (groups larger than this never come here)."""
+    order); each group streams through the rotating buffers in chunks of ``chunk`` elements (AdamW is
+    elementwise: the same arithmetic as one call); ``kept_budget``: bytes of GPU memory for kept masters
+    (4 B/param), given to groups in forward order."""
 
     def __init__(self, store: ModelStore, cfg: OptimConfig, names: list[str], streams: StreamSet, *,
-                 max_numel: int, kept_budget: float, pin: bool):
+                 chunk: int, kept_budget: float, pin: bool):
         self.store, self.cfg, self.names, self.streams = store, cfg, list(names), streams
         dev = self.device = streams.device
         cuda = streams.cuda
         self.up = torch.cuda.Stream(dev) if cuda else streams.compute
         self.upd = torch.cuda.Stream(dev) if cuda else streams.compute
         self.down = torch.cuda.Stream(dev) if cuda else streams.compute
-        self.max_numel = max_numel
-        self.rot = [torch.empty(3 * max_numel, dtype=torch.float32, device=dev) for _ in range(ROTATING if names else 0)]
+        self.chunk = chunk
+        self.rot = [torch.empty(3 * chunk, dtype=torch.float32, device=dev) for _ in range(ROTATING if names else 0)]
         self.rot_free = [None] * len(self.rot)  # event after the download that last read each buffer
+        self._next = 0  # the rotating buffer the next chunk takes
         self.kept: dict[str, torch.Tensor] = {}
         # With a bf16 shadow the forward computes with the rounded master: loads read the shadow (written back
         # with the master), so nothing is kept (a kept fp32 master would give different weights).
@@ -131,52 +143,61 @@ class StreamedAdamW:
         with s.use(self.upd):
             scale = None if coef == 1.0 else torch.full((), 1.0 / coef, dtype=torch.float32, device=self.device)
         done = None
-        for j, name in enumerate(x for x in self.names if x in grads):
+        for name in [x for x in self.names if x in grads]:  # the order the next forward needs them
             flat, ready = grads.pop(name)
-            n = st.by_name[name].numel
-            b = j % len(self.rot)
-            buf = self.rot[b]
-            kept = self.kept.get(name)
-            p = kept if kept is not None else buf[:n]
-            m, v = buf[self.max_numel:self.max_numel + n], buf[2 * self.max_numel:2 * self.max_numel + n]
+            n, kept = st.by_name[name].numel, self.kept.get(name)
+            st.steps[name].add_(1)  # host count (checkpoints read it); the kernel wants it on the device
             with s.use(self.up):
-                if self.rot_free[b] is not None:  # the buffer's previous group has been downloaded
-                    self.up.wait_event(self.rot_free[b])
-                if self._down.get(name) is not None:  # this group's host state is complete
+                if self._down.get(name) is not None:  # this group's host state is complete (last update)
                     self.up.wait_event(self._down[name])
-                p.copy_(st.master[name], non_blocking=True)
-                m.copy_(st.m[name], non_blocking=True)
-                v.copy_(st.v[name], non_blocking=True)
                 if flat.device != self.device:  # grad_placement="host": the gradient waits in host RAM
                     self.up.wait_event(ready)  # its D2H copy has landed
-                    flat = flat.to(self.device, non_blocking=True)
-                    ready = None
-                uploaded = s.record(self.up)
             with s.use(self.upd):
-                self.upd.wait_event(uploaded)
-                if ready is not None:
-                    self.upd.wait_event(ready)  # the gradient's kernels (compute stream) are done
-                # The gradient was allocated on another stream: its memory must not be reused before this
-                # stream has read it. The fused kernel divides it by ``scale`` in place (ours to consume).
-                s.keep_alive(flat, self.upd)
-                g = flat if flat.dtype == torch.float32 else flat.float()
-                st.steps[name].add_(1)  # host count (checkpoints read it); the kernel wants it on the device
                 self.dev_steps[name].fill_(float(st.steps[name]))
-                adamw_(p, g, m, v, self.dev_steps[name], lr, self.cfg, scale)
-                shadow = p.to(st.shadow[name].dtype) if (st.shadow is not None and name in st.shadow) else None
-                updated = s.record(self.upd)
-            with s.use(self.down):
-                self.down.wait_event(updated)
-                st.master[name].copy_(p, non_blocking=True)
-                st.m[name].copy_(m, non_blocking=True)
-                st.v[name].copy_(v, non_blocking=True)
-                if shadow is not None:
-                    s.keep_alive(shadow, self.down)
-                    st.shadow[name].copy_(shadow, non_blocking=True)
-                done = s.record(self.down, timing=cuda)
-            del flat, g, shadow
-            self.rot_free[b] = self._down[name] = done
-            self._updated[name] = updated
+                if flat.device == self.device:
+                    self.upd.wait_event(ready)  # the gradient's kernels (compute stream) are done
+                    # Allocated on the compute stream: its memory must not be reused before this stream has
+                    # read it.
+                    s.keep_alive(flat, self.upd)
+            for a in range(0, n, self.chunk):
+                e = min(n, a + self.chunk)
+                k, b = e - a, self._next % len(self.rot)
+                self._next += 1
+                buf = self.rot[b]
+                p = kept[a:e] if kept is not None else buf[:k]
+                m, v = buf[self.chunk:self.chunk + k], buf[2 * self.chunk:2 * self.chunk + k]
+                with s.use(self.up):
+                    if self.rot_free[b] is not None:  # the buffer's previous chunk has been downloaded
+                        self.up.wait_event(self.rot_free[b])
+                    p.copy_(st.master[name][a:e], non_blocking=True)
+                    m.copy_(st.m[name][a:e], non_blocking=True)
+                    v.copy_(st.v[name][a:e], non_blocking=True)
+                    g = flat[a:e]
+                    if g.device != self.device:
+                        g = g.to(self.device, non_blocking=True)
+                        s.keep_alive(g, self.upd)  # read by the update stream
+                    uploaded = s.record(self.up)
+                with s.use(self.upd):
+                    self.upd.wait_event(uploaded)
+                    # fp32 gradients are divided by ``scale`` in place by the fused kernel (ours to consume).
+                    g32 = g if g.dtype == torch.float32 else g.float()
+                    adamw_(p, g32, m, v, self.dev_steps[name], lr, self.cfg, scale)
+                    shadow = p.to(st.shadow[name].dtype) if (st.shadow is not None and name in st.shadow) else None
+                    updated = s.record(self.upd)
+                with s.use(self.down):
+                    self.down.wait_event(updated)
+                    st.master[name][a:e].copy_(p, non_blocking=True)
+                    st.m[name][a:e].copy_(m, non_blocking=True)
+                    st.v[name][a:e].copy_(v, non_blocking=True)
+                    if shadow is not None:
+                        s.keep_alive(shadow, self.down)
+                        st.shadow[name][a:e].copy_(shadow, non_blocking=True)
+                    done = s.record(self.down, timing=cuda)
+                del g, g32, shadow
+                self.rot_free[b] = done
+            del flat
+            # Each stream runs in order: the last chunk's events cover the whole group.
+            self._down[name], self._updated[name] = done, updated
             if kept is not None:
                 self._fresh.add(name)
             self.updates += 1
@@ -355,26 +376,21 @@ def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host
     if dist is not None:
         raise ValueError("update_path='hybrid' is not supported with data parallel training (use 'cpu')")
     numels = {x: store.by_name[x].numel for x in host_names}
-    max_numel, _ = staging_layout(numels, staging_bytes)
-    if max_numel == 0:
-        raise ValueError(f"update_path='hybrid': {staging_bytes / GIB:.2f} GiB of GPU staging holds no host-tier "
-                         f"group ({ROTATING} x 12 B/param; the smallest needs "
-                         f"{ROTATING * 12 * min(numels.values()) / GIB:.2f} GiB): raise update_staging_gib")
+    chunk = staging_chunk(max(numels.values()), staging_bytes, grads_on_host)
+    if chunk == 0:
+        raise ValueError(f"update_path='hybrid': {staging_bytes / GIB:.2f} GiB of GPU staging is less than the GPU "
+                         f"path needs ({rotating_bytes(MIN_CHUNK_ELEMS, grads_on_host) / GIB:.2f} GiB): raise "
+                         f"update_staging_gib")
     rates, replan = None, None
     if cfg.gpu_path_groups != "auto":
         forced = [x.strip() for x in cfg.gpu_path_groups.split(",") if x.strip()]
         split = forced_split(host_names, forced)
-        too_big = [x for x in split.gpu if numels[x] > max_numel]
-        if too_big:
-            raise ValueError(f"gpu_path_groups {too_big} do not fit {staging_bytes / GIB:.2f} GiB of GPU staging "
-                             f"({ROTATING} x 12 B/param): raise update_staging_gib")
         splits = {False: split, True: split}
     else:
         rates = measure_rates(streams.device, cpu_opt.kernel) if streams.cuda else UpdateRates()
         c = 4 if store.shadow is None else 2
         order = [(x, numels[x]) for x in host_names]
-        kw = dict(stream_bytes=c, grad_bytes=0 if grads_on_host else 2, grad_up_bytes=4 if grads_on_host else 0,
-                  max_numel=max_numel)
+        kw = dict(stream_bytes=c, grad_bytes=0 if grads_on_host else 2, grad_up_bytes=4 if grads_on_host else 0)
         # Speculative steps: the GPU path's prefix shrinks as the CPU's head start (the backward) grows; the
         # longest one (no head start) bounds which groups it may ever take. Until a backward is measured,
         # a speculative step keeps the CPU path alone (it is what ran before: never slower).
@@ -385,11 +401,7 @@ def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host
         splits["longest"] = Split(host_names[:longest])
     candidates = [x for x in host_names if x in set(splits[False].gpu) | set(splits[True].gpu)
                   | set(splits.pop("longest", Split()).gpu)]
-    rot_numel = max((numels[x] for x in candidates), default=0)
-    # Besides the rotating buffers: one group's gradient widened to fp32 on the update stream (and, with
-    # gradients in host RAM, its uploaded copy) is allocated while the path runs.
-    scratch = (4 + (4 if grads_on_host else 0)) * rot_numel
-    kept_budget = max(0.0, staging_bytes - ROTATING * 12 * rot_numel - scratch)
-    gpu = StreamedAdamW(store, cfg.optim, candidates, streams, max_numel=rot_numel, kept_budget=kept_budget,
+    kept_budget = max(0.0, staging_bytes - rotating_bytes(chunk, grads_on_host))
+    gpu = StreamedAdamW(store, cfg.optim, candidates, streams, chunk=chunk, kept_budget=kept_budget,
                         pin=streams.cuda and cfg.pin_memory)
     return HybridHostAdamW(cpu_opt, gpu if candidates else None, splits, rates, replan if candidates else None)

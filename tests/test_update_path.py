@@ -79,6 +79,31 @@ def test_parity_variants(overrides):
     assert stats["gpu_path_groups"] > 0 and stats["cpu_groups"] > 0
 
 
+@pytest.mark.parametrize("clip", [True, False])
+def test_parity_in_chunks(monkeypatch, clip):
+    """Groups stream through the rotating buffers in chunks (here 1000 elements: several per group, the
+    last one short, buffers reused across groups); kept masters or not."""
+    from megatrain import streamed_update
+
+    monkeypatch.setattr(streamed_update, "CHUNK_ELEMS", 1000)
+    spec = PRESETS["tiny-qwen2"]
+    optim = OPTIM if clip else NO_CLIP
+    assert_parity(spec.to_hf_config("eager"), hybrid_cfg(optim=optim), batches(spec), optim=optim)
+    engine = MegaTrain.from_config(spec.to_hf_config("eager"), hybrid_cfg(), verbose=False)
+    assert engine.host_tier.gpu.chunk == 1000 and len(engine.host_tier.gpu.kept) == 4
+    engine.close()
+
+
+def test_staging_chunk_halves_to_fit():
+    from megatrain.streamed_update import CHUNK_ELEMS, MIN_CHUNK_ELEMS, rotating_bytes, staging_chunk
+
+    assert staging_chunk(10**9, float("inf"), False) == CHUNK_ELEMS
+    assert staging_chunk(5000, float("inf"), False) == 5000  # never more than the largest group
+    half = staging_chunk(10**9, rotating_bytes(CHUNK_ELEMS, False) - 1, False)
+    assert half == CHUNK_ELEMS // 2
+    assert staging_chunk(10**9, rotating_bytes(MIN_CHUNK_ELEMS, True) - 1, True) == 0
+
+
 def test_auto_split_uses_both_paths_on_default_rates():
     spec = PRESETS["tiny-llama"]
     engine = MegaTrain.from_config(spec.to_hf_config("eager"), hybrid_cfg(gpu_path_groups="auto"), verbose=False)
