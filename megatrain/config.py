@@ -92,6 +92,18 @@ class EngineConfig:
     # weight/gradient/activation copy over it is followed on its copy stream by a GPU sleep for the
     # difference (megatrain/link.py; CUDA only). None = the real link, untouched.
     host_link_gbps: Optional[float] = None
+    # The host tier's AdamW (megatrain/streamed_update.py): "cpu" (the CPU kernel updates every host-tier
+    # group) or "hybrid" (after the norm, some groups' fp32 master, m and v are streamed through the GPU and
+    # updated there by the fused kernel while the CPU kernel updates the others; exact, clipping included).
+    update_path: str = "cpu"
+    # With "hybrid": which host-tier groups take the GPU path. "auto": the split of the bandwidth model
+    # (megatrain/update_split.py, rates measured at build on a GPU); or a comma list of group names
+    # ("embed,layer.0,layer.3") forced onto it in every step (tests, ablations).
+    gpu_path_groups: str = "auto"
+    # With "hybrid" on a GPU: GiB the placement plan keeps free for the GPU path's staging (two rotating
+    # master+m+v chunk buffers, ~0.9 GiB at full chunk size, then kept masters, 4 B/param, in forward
+    # order); GPU memory the plan leaves unused beyond its margin is used as well.
+    update_staging_gib: float = 1.0
     attn_implementation: str = "sdpa"
     seed: int = 0
     # Saves kept in a checkpoint folder: ``save`` removes the engine's own step folders beyond the newest N.
@@ -140,6 +152,13 @@ class EngineConfig:
             raise ValueError(f"gpu_margin_gib must be >= 0, got {self.gpu_margin_gib}")
         if self.host_link_gbps is not None and not self.host_link_gbps > 0:
             raise ValueError(f"host_link_gbps must be > 0 GB/s (None = the real link), got {self.host_link_gbps}")
+        if self.update_path not in ("cpu", "hybrid"):
+            raise ValueError(f"update_path must be 'cpu' or 'hybrid', got {self.update_path!r}")
+        if self.update_staging_gib < 0:
+            raise ValueError(f"update_staging_gib must be >= 0, got {self.update_staging_gib}")
+        self.gpu_path_groups = str(self.gpu_path_groups).strip()
+        if not self.gpu_path_groups:
+            raise ValueError("gpu_path_groups must be 'auto' or a comma list of host-tier group names")
         if self.compute_dtype != "auto" and self.compute_dtype not in _DTYPES:
             raise ValueError(f"compute_dtype must be 'auto' or one of {list(_DTYPES)}, got {self.compute_dtype!r}")
 

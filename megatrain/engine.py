@@ -35,6 +35,7 @@ from .optim import Optimizers
 from .slots import SlotPool
 from .spec import with_positions
 from .store import ModelStore, make_groups, views
+from .streamed_update import build_host_tier
 from .streams import StreamSet
 from .system import IGNORE_INDEX, MemoryStats, StepResult, labels_from_batch, shift_labels, split_micro_batches
 from .validate import validate_batch
@@ -147,7 +148,13 @@ class MegaTrain:
         self.host_opt = host_adamw(self.store, cfg.optim, self.placement.host_names, self.grad_stream,
                                    background=cfg.overlap_optimizer)
         self.device_opt = DeviceAdamW(self.store, cfg.optim, self.placement.gpu_names, self.streams)
-        self.optimizer = Optimizers([self.device_opt, self.host_opt], cfg.optim, cfg.speculate)
+        # The host tier's optimizer: the CPU kernel alone, or with the GPU update path (update_path="hybrid").
+        self.host_tier = build_host_tier(self.host_opt, store=self.store, cfg=cfg, streams=self.streams,
+                                         host_names=self.placement.host_names, grads_on_host=self.placement.grads == "host",
+                                         staging_bytes=self._staging_bytes(), dist=dist)
+        if verbose and cfg.update_path != "cpu":
+            print(f"[megatrain] {self.host_tier.summary()}", flush=True)
+        self.optimizer = Optimizers([self.device_opt, self.host_tier], cfg.optim, cfg.speculate)
 
         # GPU side: resident embed/final compute buffers, slots with bound templates, the rotary module.
         self.resident = {g.name: torch.zeros(g.numel, device=self.device, dtype=self.dtype)
@@ -155,7 +162,8 @@ class MegaTrain:
         self.pool = SlotPool(store=self.store, layer_groups=self.layer_groups, make_template=self._make_template,
                              kinds=self.kinds, num_slots=self.num_pool_slots, device=self.device, dtype=self.dtype,
                              streams=self.streams, wait_for_update=self.optimizer.wait_group,
-                             prefetch=cfg.num_slots > 1, link=self.link, host_tier=set(self.placement.host_names))
+                             prefetch=cfg.num_slots > 1, link=self.link, host_tier=set(self.placement.host_names),
+                             device_source=self.optimizer.device_source)
         self.rotary = arch.build_rotary(self.meta, self.device)
         self.final_norm = copy.deepcopy(self.meta.model.norm)
         # The final norm module computes with a view into the resident "final" buffer (norm is first).
@@ -179,9 +187,22 @@ class MegaTrain:
         gpu_free = memory.gpu_free_bytes(self.device) if on_gpu else 0
         return placement.plan({g.name: g.numel for g in self.groups}, shape, setting=cfg.gpu_resident,
                               on_gpu=on_gpu, gpu_free=gpu_free, host_available=memory.available_host_bytes(),
-                              gpu_margin=int(cfg.gpu_margin_gib * placement.GIB),
+                              gpu_margin=int((cfg.gpu_margin_gib + self._staging_reserve_gib()) * placement.GIB),
                               host_margin=int(cfg.host_margin_gib * placement.GIB), tiers=tiers,
                               grads=cfg.grad_placement, kept=keep, rates=rates)
+
+    def _staging_reserve_gib(self) -> float:
+        """GPU memory the plan keeps free for the host tier's GPU update path (update_path="hybrid")."""
+        return self.cfg.update_staging_gib if (self.cfg.update_path == "hybrid" and self.device.type == "cuda") else 0.0
+
+    def _staging_bytes(self) -> float:
+        """GPU bytes the GPU update path may hold: the reserve plus what the plan leaves unused (90 % of it:
+        the plan's parts are estimates). On the CPU, unbounded (the "GPU" is host RAM and tests are tiny)."""
+        if self.device.type != "cuda":
+            return float("inf")
+        plan = self.placement
+        unused = max(0, plan.gpu_budget - sum(plan.gpu_parts.values())) if plan.gpu_budget is not None else 0
+        return self._staging_reserve_gib() * placement.GIB + 0.9 * unused
 
     @classmethod
     def from_config(cls, hf_config, cfg: EngineConfig | None = None, **kw) -> "MegaTrain":
@@ -266,18 +287,20 @@ class MegaTrain:
                           speculated=float(self.optimizer.speculating), clipped=float(coef is not None and coef < 1),
                           skipped=float(coef is None), step_s=time.perf_counter() - t0,
                           **{k: after[k] - before[k] for k in after})
+        self.host_tier.observe_step(self.stats)  # the backward's time: how early a speculative CPU path starts
         self._sample_rss()
         return StepResult(loss=loss_value, tokens=tokens, step_time_s=time.perf_counter() - t0, lr=lr,
                           grad_norm=grad_norm)
 
     def _counters(self) -> dict[str, float]:
         """Cumulative counters whose per-step differences go into ``stats``."""
-        h = self.host_opt
+        h = self.host_tier
         # load_wait.settle(): the step's last timing events are complete here (the step ends with a sync)
         return dict(h2d_loads=self.pool.loads, gpu_load_wait_s=self.pool.load_wait.settle(),
                     optimizer_exposed_s=h.wait_s, host_update_busy_s=h.busy_s,
                     early_groups=h.early_groups, rollbacks=h.rollbacks,
-                    d2h_bytes=self.grad_stream.bytes_d2h + self.grad_home.bytes_d2h)
+                    d2h_bytes=self.grad_stream.bytes_d2h + self.grad_home.bytes_d2h,
+                    **h.counters())  # cpu_groups, gpu_path_groups, gpu_path_busy_s, gpu_path_wait_s
 
     def _load_order(self) -> list[int]:
         """Every layer use of a step, in order: forward 0..L-1, then per block (last first) ascending."""
@@ -454,18 +477,24 @@ class MegaTrain:
     # -- weights in ---------------------------------------------------------------------------------
     def _resident_weight(self, name: str) -> list[torch.Tensor]:
         """Load a resident group (embedding or final norm + head) for this step; returns its views."""
-        self.optimizer.wait_group(name)  # host tier: blocks until updated; GPU tier: ordered by the stream
+        # Host tier: blocks until updated (CPU path), or an event for the copy (GPU update path); GPU tier:
+        # ordered by the stream.
+        updated = self.optimizer.wait_group(name)
         group = self.store.by_name[name]
         buf = self.resident[name]
-        src = self.store.stream_source(name)
+        # The GPU update path's kept master, when it holds this group's update (a cast on the GPU, no load).
+        kept = self.optimizer.device_source(name)
+        src = kept if kept is not None else self.store.stream_source(name)
         with self.streams.use(self.streams.h2d):
             # Last step's kernels that read this buffer were queued on compute before this point.
             self.streams.h2d.wait_stream(self.streams.compute)
+            if updated is not None:
+                self.streams.h2d.wait_event(updated)
             if src.dtype == buf.dtype:
                 buf.copy_(src, non_blocking=True)
             else:
                 buf.copy_(src.to(self.device, non_blocking=True))  # cast on the GPU
-            if self.placement.tiers[name] == "host":  # a GPU-tier group's copy is a cast on the device
+            if self.placement.tiers[name] == "host" and kept is None:  # else a cast on the device
                 self.link.throttle(self.streams.h2d, src.numel() * src.element_size(), "h2d")
             ready = self.streams.record(self.streams.h2d)
         self.streams.compute.wait_event(ready)  # compute may read it only once the copy has landed
@@ -552,6 +581,8 @@ class MegaTrain:
                                    "grad_placement": plan.grads, "mlp_chunk_tokens": plan.mlp_chunk_tokens,
                                    **self.info,
                                    "skipped_steps": self.skipped_steps,
+                                   "update_path": self.cfg.update_path,
+                                   "gpu_path_staging_bytes": self.host_tier.gpu.staging_bytes if self.host_tier.gpu else 0,
                                    "pool_slots": self.num_pool_slots, "h2d_loads": self.pool.loads})
         if self.device.type == "cuda":
             stats.gpu_peak_allocated = torch.cuda.max_memory_allocated(self.device)
