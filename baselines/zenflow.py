@@ -207,6 +207,13 @@ class ZenFlowSystem(DeepSpeedSystem):
         return StepResult(loss=float(loss.detach().float()), tokens=tokens, step_time_s=self.elapsed(t0), lr=lr,
                           grad_norm=norm_value)
 
+    def state_dict(self) -> dict:
+        """HF-named weights as ZenFlow trains them: its working parameters (on the GPU with CUDA), in fp32.
+        Not the host fp32 masters: those miss the GPU-side updates of the selected columns until the next
+        selection re-syncs them (``sync_fp32_param_from_gpu``), so they are not the model being trained."""
+        return {name: p.detach().float().cpu().clone()
+                for name, p in self.module.lm.named_parameters(remove_duplicate=False)}
+
     def memory(self):
         stats = super().memory()
         stats.extra["zenflow_cpu_updates"] = self.cpu_updates
