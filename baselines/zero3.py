@@ -206,6 +206,8 @@ class DeepSpeedSystem(BaselineSystem):
         if dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"zero3 supports bf16 or fp32 compute, got {dtype}")
         bf16 = dtype == torch.bfloat16 and (on_cuda or bool(opts["cpu_bf16"]))
+        # SuperOffload and ZenFlow pin this process to a share of the cores for good; close() gives them back
+        self._affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         ds = self.deepspeed = import_deepspeed(self.device.type)
         self._owns_process_group = ensure_process_group("nccl" if on_cuda else "gloo", self.device)
         # DeepSpeed reads the launcher's variables even when the group exists already.
@@ -355,11 +357,16 @@ class DeepSpeedSystem(BaselineSystem):
     # -- close ------------------------------------------------------------------------------------
     def _release(self) -> None:
         engine, self.engine, self.module = self.engine, None, None
-        if engine is not None:
-            try:
-                engine.destroy()
-            finally:
-                del engine
+        try:
+            if engine is not None:
+                try:
+                    engine.destroy()
+                finally:
+                    del engine
+        finally:
+            affinity = getattr(self, "_affinity", None)
+            if affinity and os.sched_getaffinity(0) != affinity:
+                os.sched_setaffinity(0, affinity)  # the next system in this process gets every core again
 
     def _destroy_process_group(self) -> None:
         import deepspeed.comm as dist
@@ -399,6 +406,16 @@ class SuperOffloadSystem(DeepSpeedSystem):
                                    f"{worker['exitcode']} (see its traceback in the log); DeepSpeed: {said}") from None
             raise RuntimeError(f"{' '.join(str(exc).split())[:400]} [SuperOffload worker pid {worker['pid']} alive, "
                                f"{worker['cores']} core(s); training process on {worker['pt_cores']} core(s)]") from exc
+
+    def _release(self) -> None:
+        """Also stop the CPU Adam worker: DeepSpeed never does (a daemon that would otherwise keep its
+        m, v and buffers until this process exits)."""
+        cpu_opt = getattr(getattr(self.engine, "optimizer", None), "superoffload_cpu_optimizer", None)
+        try:
+            super()._release()
+        finally:
+            if cpu_opt is not None:
+                cpu_opt.close()  # bounded: join 5 s, terminate, kill
 
     def worker_state(self) -> dict | None:
         """The SuperOffload CPU Adam worker process: pid, alive, exit code, cores (None if there is none)."""
