@@ -262,6 +262,8 @@ def train(job: Job, applied: dict | None = None) -> int:
         log(f"[point] built {job.system} in {result['build_s']:.1f}s")
         # What the system chose at build time (e.g. which CPU Adam ran), kept with the result.
         result["system_info"] = json.loads(json.dumps(getattr(system, "info", {}) or {}, default=str))
+        # also on disk now: a point killed later (host OOM, timeout) still has its settings in the row
+        _write_json(pdir / "system_info.json", result["system_info"])
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         total = job.warmup_steps + job.steps
         vocab = job.spec["vocab_size"]
