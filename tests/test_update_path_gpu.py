@@ -54,6 +54,8 @@ def test_cuda_fp32_hybrid_matches_cpu_reference(preset, overrides):
     ref_losses, ref_state = reference_train(reference_model(hf, init), data, optim, mb)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
     for name, value in final.items():
+        if name.endswith("k_proj.bias"):  # zero true gradient: AdamW amplifies rounding noise (test_engine_parity)
+            continue
         rel = float((value - ref_state[name]).norm() / ref_state[name].norm())
         assert rel < 1e-4, (name, rel)
 
