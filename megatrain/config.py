@@ -88,6 +88,13 @@ class EngineConfig:
     # leave, and where a GPU byte could hold a GPU-tier layer or kept activations the step-time model picks
     # the faster split (megatrain/placement.py, cost_model.py). On a CPU run "auto" recomputes as "all".
     recompute: str = "auto"
+    # With several micro-batches: "layers" runs each layer on every micro-batch before the next layer (each
+    # layer loaded twice per step; every micro-batch's activations held at once); "sequential" runs forward
+    # and backward one micro-batch at a time (loaded twice per micro-batch; one micro-batch's activations
+    # held, so more blocks can keep theirs; every layer's fp32 gradient accumulator lives through the step);
+    # "auto": the placement plan picks (sequential only where the step-time model predicts it
+    # CONTESTED_GAIN faster, e.g. a model wholly on the GPU tier, whose loads are casts on the device).
+    micro_batch_schedule: str = "auto"
     # Emulate a host link (host <-> GPU) of this many GB/s each way, slower than the real one: each
     # weight/gradient/activation copy over it is followed on its copy stream by a GPU sleep for the
     # difference (megatrain/link.py; CUDA only). None = the real link, untouched.
@@ -142,6 +149,9 @@ class EngineConfig:
         if self.recompute == "none" and self.boundary_offload == "host":
             raise ValueError("recompute='none' keeps every block's activations on the GPU: there are no block "
                              "boundaries for boundary_offload='host' to offload; use one or the other")
+        if self.micro_batch_schedule not in ("auto", "layers", "sequential"):
+            raise ValueError(f"micro_batch_schedule must be 'auto', 'layers' or 'sequential', got "
+                             f"{self.micro_batch_schedule!r}")
         if self.grad_placement not in ("auto", "gpu", "host"):
             raise ValueError(f"grad_placement must be 'auto', 'gpu' or 'host', got {self.grad_placement!r}")
         if self.max_position_embeddings < 0:

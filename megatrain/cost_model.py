@@ -14,6 +14,8 @@ The model (clipping firing every step, the regime every sweep row measures; see 
 
     forward    sum over layers of max(F, load)          F: a layer's forward at the step's tokens,
                                                         load: its weights over the host link (host tier)
+                                                        or a cast into its slot (GPU tier); with n passes
+                                                        (micro_batch_schedule="sequential") n max(F/n, load)
     loss       6 V h T / rate                           final norm + head + cross-entropy, fwd + bwd
     backward   sum over layers of max(B + R, load)      B: backward, R: recompute (0 where the block is kept);
                                                         every layer is loaded again for its backward, kept
@@ -52,6 +54,9 @@ H200_LAYER_TFLOPS = ((2048, 440.0), (3584, 540.0), (5120, 530.0))
 # Fused AdamW on the device is memory bound: ~26 B/param (fp32 p, m, v read and written + the gradient) at
 # ~2.6 TB/s of the H200's HBM (not measured on its own; milliseconds per billion parameters either way).
 H200_GPU_ADAMW_GPARAMS = 100.0
+# A GPU-tier layer's "load" is a cast of its fp32 master into a slot on the device: 4 B read + c written per
+# parameter. Not measured; half the H200's 4.8 TB/s HBM peak.
+H200_GPU_CAST_GBPS = 2400.0
 
 
 def layer_tflops(hidden: int, table=H200_LAYER_TFLOPS) -> float:
@@ -78,6 +83,7 @@ class Rates:
     cpu_adamw_gparams: float = H200_CPU_ADAMW_GPARAMS  # host AdamW alone
     cpu_adamw_under_copy_gparams: float = H200_CPU_ADAMW_UNDER_COPY_GPARAMS  # while weights stream over PCIe
     gpu_adamw_gparams: float = H200_GPU_ADAMW_GPARAMS
+    gpu_cast_gbps: float = H200_GPU_CAST_GBPS  # bytes read + written per second by a slot cast (GPU tier)
     gpu_bytes: int | None = None  # GPU memory (for reports; the plan takes its budget from the device)
     host_bytes: int | None = None
 
@@ -101,6 +107,8 @@ class StepLoad:
     stream_bytes: int = 4  # bytes per parameter a host-tier layer's load moves (fp32 master 4, bf16 shadow 2)
     grad_bytes: int = 2  # bytes per parameter a host-tier gradient moves to the host
     speculate: bool = False  # clipping not expected: the host update runs during the backward
+    passes: int = 1  # passes over the layers per step (micro_batch_schedule="sequential": one per micro-batch)
+    compute_bytes: int = 2  # bytes of a slot's weights per parameter (a GPU-tier layer's cast writes them)
 
     @property
     def params_gpu(self) -> int:
@@ -140,14 +148,19 @@ def predict(load: StepLoad, rates: Rates | None = None) -> Prediction:
     """The step time of ``load`` at ``rates`` (the model in the module doc)."""
     rates = rates or Rates()
     fwd = bwd = recompute = h2d = 0.0
+    n = max(1, load.passes)
     for params, on_gpu, kept in zip(load.layer_params, load.layer_on_gpu, load.layer_kept):
         f, r, b = layer_times(load, rates, params)
-        move = 0.0 if on_gpu else params * load.stream_bytes / (rates.h2d_gbps * GB)
-        h2d += 2 * move  # forward and backward: a kept layer's weights are loaded again for its backward
-        fwd += max(f, move)
+        if on_gpu:  # a cast on the device
+            move = params * (4 + load.compute_bytes) / (rates.gpu_cast_gbps * GB)
+        else:
+            move = params * load.stream_bytes / (rates.h2d_gbps * GB)
+            h2d += 2 * n * move  # forward and backward: a kept layer is loaded again for its backward
         r = 0.0 if kept else r
         recompute += r
-        bwd += max(b + r, move)
+        # each pass computes 1/n of the tokens; its loads are prefetched behind the layer before
+        fwd += n * max(f / n, move)
+        bwd += n * max((b + r) / n, move)
     # embedding / head on the host tier: one load per step (resident compute copies)
     h2d += load.other_params_host * 4 / (rates.h2d_gbps * GB)
     d2h = load.params_host * load.grad_bytes / (rates.d2h_gbps * GB)

@@ -48,9 +48,16 @@ class _StepState:
     sqnorms: list = field(default_factory=list)  # per-group squared gradient norms (GPU scalars)
     acc: dict = field(default_factory=dict)  # layer -> gradient being accumulated across micro-batches
     embed_w: torch.Tensor | None = None  # the resident embedding (the tied head reads it)
-    embed_grad: torch.Tensor | None = None  # tied: the head gradient the embedding backward adds into
     mlp_chunk: int = -1  # mlp_chunk_tokens this step's layers run with (MegaTrain._mlp_chunk), forward and recompute
     kept: KeptBlocks | None = None  # the kept blocks' graphs, forward to backward
+    # The pass over the layers this is (micro_batch_schedule="sequential": one per micro-batch; else one):
+    first_mb: int = 0  # index of the pass's first micro-batch in the step
+    num_mbs: int = 1  # micro-batches in the step
+    last_pass: bool = True  # the step's last pass: gradients are final after it
+    final_views: list | None = None  # the resident final norm / head, loaded once per step
+    d_norm: torch.Tensor | None = None  # final norm / head gradients summed over the step's passes
+    d_head: torch.Tensor | None = None
+    embed_acc: torch.Tensor | None = None  # embedding gradient summed over passes before the last
 
 
 # Tokens per micro-batch the placement plan sizes activations for unless told (tokens_per_step=...).
@@ -254,16 +261,20 @@ class MegaTrain:
         try:
             self.optimizer.begin_step(self.step_count)  # speculate this step? (host tier)
             self.pool.begin_step(self._load_order())
-            st = _StepState()  # this step's gradient bookkeeping, passed along (nothing parked on self)
+            st = _StepState(num_mbs=len(mbs))  # this step's gradient bookkeeping (nothing parked on self)
             timer = _Timer(self.stats, t0)
-            hidden, boundaries, ctx = self._forward(mbs, st)
-            timer("forward_s")
-            loss, d_hidden = self._loss(hidden, mbs, denom, st)
+            loss = 0.0
+            for first, part in self._passes(mbs):  # all micro-batches at once, or one at a time (the plan's)
+                st.first_mb, st.last_pass = first, first + len(part) == len(mbs)
+                hidden, boundaries, ctx = self._forward(part, st)
+                timer("forward_s")
+                part_loss, d_hidden = self._loss(hidden, part, denom, st)
+                loss = loss + part_loss
+                timer("loss_s")
+                self._backward(part, boundaries, d_hidden, ctx, st)
+                timer("backward_s")
             if self.dist:
                 self.dist.all_reduce_(loss, "the loss")  # for reporting: the global mean token loss
-            timer("loss_s")
-            self._backward(mbs, boundaries, d_hidden, ctx, st)
-            timer("backward_s")
             # One sync for every group's squared norm, computed on the GPU while the gradients were there.
             grad_norm = math.sqrt(float(torch.stack(st.sqnorms).sum()))
             timer("grad_norm_s")
@@ -302,12 +313,22 @@ class MegaTrain:
                     d2h_bytes=self.grad_stream.bytes_d2h + self.grad_home.bytes_d2h,
                     **h.counters())  # cpu_groups, gpu_path_groups, gpu_path_busy_s, gpu_path_wait_s
 
+    def _passes(self, mbs: list[_MicroBatch]) -> list[tuple[int, list[_MicroBatch]]]:
+        """(index of the first micro-batch, micro-batches) of each pass over the layers: one pass with every
+        micro-batch (each layer loaded twice per step, every micro-batch's activations held), or with
+        micro_batch_schedule "sequential" one pass per micro-batch (loaded twice per micro-batch, one
+        micro-batch's activations held: more blocks kept; the plan chooses, megatrain/placement.py)."""
+        if self.placement.sequential:
+            return [(i, [mb]) for i, mb in enumerate(mbs)]
+        return [(0, mbs)]
+
     def _load_order(self) -> list[int]:
-        """Every layer use of a step, in order: forward 0..L-1, then per block (last first) ascending."""
+        """Every layer use of a step, in order: per pass, forward 0..L-1, then per block (last first)
+        ascending."""
         order = list(range(self.num_layers))
         for start in reversed(range(0, self.num_layers, self.block)):
             order += list(range(start, min(start + self.block, self.num_layers)))
-        return order
+        return order * (self.cfg.micro_batches if self.placement.sequential else 1)
 
     def _mlp_chunk(self, tokens: list[int]) -> int:
         """mlp_chunk_tokens for a step with ``tokens`` per micro-batch: the plan's resolved value ("auto" is
@@ -321,7 +342,9 @@ class MegaTrain:
         return self.placement.mlp_chunk_tokens
 
     def _forward(self, mbs: list[_MicroBatch], st: "_StepState"):
-        embed_w = st.embed_w = self._resident_weight("embed")[0]
+        if st.embed_w is None:  # once per step
+            st.embed_w = self._resident_weight("embed")[0]
+        embed_w = st.embed_w
         tokens = [mb.ids.numel() for mb in mbs]
         st.mlp_chunk = self._mlp_chunk(tokens)
         # Where the boundaries of the recomputed blocks live: decided by the plan (boundary_offload).
@@ -364,24 +387,21 @@ class MegaTrain:
         return out.detach()
 
     def _loss(self, hidden: list[torch.Tensor], mbs: list[_MicroBatch], denom: int, st: "_StepState"):
-        final_views = self._resident_weight("final")
-        head_w = st.embed_w if self.tied else final_views[1]
+        if st.final_views is None:  # once per step
+            st.final_views = self._resident_weight("final")
+        head_w = st.embed_w if self.tied else st.final_views[1]
         head_w = nn.Parameter(head_w, requires_grad=True)  # a leaf sharing the resident buffer
         total = torch.zeros((), device=self.device)
-        d_hidden, d_norm, d_head = [], None, None
+        d_hidden = []
         for h, mb in zip(hidden, mbs):
             loss, dh, dn, dw = chunked_lm_loss(h, mb.targets, self.final_norm, head_w, denom,
                                                self.cfg.loss_chunk_tokens)
             total += loss
             d_hidden.append(dh)
-            d_norm = dn if d_norm is None else d_norm + dn
-            d_head = dw if d_head is None else d_head + dw
-        if self.tied:
-            st.embed_grad = d_head  # the embedding backward adds into this, then it goes out once
-            self._resident_grad("final", [d_norm], st)
-        else:
-            st.embed_grad = None
-            self._resident_grad("final", [d_norm, d_head], st)
+            st.d_norm = dn if st.d_norm is None else st.d_norm + dn
+            st.d_head = dw if st.d_head is None else st.d_head + dw
+        if st.last_pass:  # final: the head's gradient goes out (tied: the embedding backward adds it)
+            self._resident_grad("final", [st.d_norm] if self.tied else [st.d_norm, st.d_head], st)
         return total, d_hidden
 
     def _backward(self, mbs, boundaries, d_hidden, ctx, st: "_StepState") -> None:
@@ -403,7 +423,8 @@ class MegaTrain:
                     grads = torch.autograd.grad(g.output, [g.input, *g.params], grad, allow_unused=True)
                     grad = grads[0]
                     graphs[j] = None  # this layer's activations are free now
-                    self._layer_grad(i, g.params, grads[1:], st, first=b == 0, last=b == last_mb)
+                    step_mb = st.first_mb + b  # the micro-batch's index in the step: its gradient is final at the last
+                    self._layer_grad(i, g.params, grads[1:], st, first=step_mb == 0, last=step_mb == st.num_mbs - 1)
                     if b == last_mb:
                         self.pool.release(slot)  # weights no longer needed: the slot can prefetch
                 d_hidden[b] = grad
@@ -425,9 +446,10 @@ class MegaTrain:
 
     def _embedding_backward(self, mbs: list[_MicroBatch], d_hidden: list[torch.Tensor], st: "_StepState") -> None:
         embed = self.groups[0]
-        grad = st.embed_grad
-        if grad is None:
-            grad = torch.zeros(embed.spans[0].shape, device=self.device, dtype=torch.float32)
+        grad = st.embed_acc
+        if grad is None:  # tied, one pass: the head's gradient is complete; add into it
+            grad = st.d_head if (self.tied and st.last_pass) else \
+                torch.zeros(embed.spans[0].shape, device=self.device, dtype=torch.float32)
         for mb, dh in zip(mbs, d_hidden):
             ids = mb.ids.reshape(-1)
             dh = dh.reshape(-1, dh.shape[-1]).float()
@@ -435,6 +457,11 @@ class MegaTrain:
                 keep = ids != self.pad_idx
                 ids, dh = ids[keep], dh[keep]
             grad.index_add_(0, ids, dh)
+        if not st.last_pass:
+            st.embed_acc = grad
+            return
+        if self.tied and grad is not st.d_head:
+            grad += st.d_head  # several passes: the head's gradient is complete only now
         self._resident_grad("embed", [grad], st)
 
     # -- gradients out ------------------------------------------------------------------------------
@@ -645,6 +672,8 @@ class _Timer:
         stats.clear()
 
     def __call__(self, name: str) -> None:
+        """Time since the last mark, added to phase ``name`` (a sequential step passes each phase once per
+        micro-batch)."""
         now = time.perf_counter()
-        self.stats[name] = now - self.last
+        self.stats[name] = self.stats.get(name, 0.0) + now - self.last
         self.last = now

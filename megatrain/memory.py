@@ -119,6 +119,7 @@ def step_shape(cfg, *, num_layers: int, hidden: int, ffn: int, vocab: int, token
         slab_bytes_total=cfg.grad_slabs * SLAB_BYTES if on_gpu else 0,
         loss_chunk_tokens=cfg.loss_chunk_tokens, mlp_chunk_tokens=cfg.mlp_chunk_tokens,
         boundaries_on_gpu=0 if cfg.boundary_offload == "host" else None, recompute=cfg.recompute,
+        schedule=cfg.micro_batch_schedule if cfg.micro_batches > 1 else "layers",
         seq_len=seq_len, stream_bytes=2 if cfg.stream_dtype == "bf16" else 4)
 
 

@@ -43,6 +43,10 @@ from .chunked_mlp import AUTO_MIN_TOKENS, resolve_chunk
 
 GIB = 2**30
 CONTESTED_GAIN = 0.05  # a plan with fewer GPU-tier groups must be predicted this much faster to be chosen
+# micro_batch_schedule="auto" considers "sequential" only from this many tokens per micro-batch: below it a
+# layer's GEMMs run less efficiently, which the step-time model does not know (the best all-on-GPU 3B runs
+# on the H200 used micro-batches of 8 x 1024 tokens).
+SEQUENTIAL_MIN_TOKENS = 4096
 OVERHEAD_HOST_BYTES = int(1.5 * GIB)  # Python, torch, CUDA context on the host (measured order)
 GPU_TIER_BYTES_PER_PARAM = 12  # fp32 master + m + v
 HOST_TIER_BYTES_PER_PARAM = 12
@@ -88,6 +92,16 @@ class StepShape:
     kept_blocks: tuple[int, ...] = ()  # blocks (index b: layers b*K ..) whose activations are kept
     seq_len: int = 0  # tokens per sequence (attention FLOPs in the step-time model); 0: tokens_per_micro_batch
     stream_bytes: int = 4  # bytes per parameter a host-tier layer load moves (4 fp32 master, 2 bf16 shadow)
+    schedule: str = "layers"  # as EngineConfig.micro_batch_schedule ("layers" with one micro-batch)
+
+    @property
+    def sequential(self) -> bool:
+        return self.schedule == "sequential" and self.micro_batches > 1
+
+    @property
+    def held_micro_batches(self) -> int:
+        """Micro-batches whose activations the GPU holds at once (one at a time when sequential)."""
+        return 1 if self.sequential else self.micro_batches
 
     @property
     def num_blocks(self) -> int:
@@ -123,6 +137,8 @@ class Placement:
     recompute_reason: str = ""  # why these blocks (summary)
     prediction: "cost_model.Prediction | None" = None  # the step-time model's step for this plan (GPU runs)
     on_gpu: bool = True  # False: a CPU run, both "tiers" in host RAM
+    sequential: bool = False  # forward + backward one micro-batch at a time (micro_batch_schedule)
+    schedule_reason: str = ""
 
     @property
     def gpu_names(self) -> list[str]:
@@ -151,6 +167,7 @@ class Placement:
     def info(self) -> dict:
         """The plan's decisions and prediction as flat keys (``MegaTrain.info``; the runner's rows)."""
         out = {"recompute_setting": self.recompute, "blocks": self.num_blocks, "blocks_kept": len(self.kept_blocks),
+               "micro_batch_schedule": "sequential" if self.sequential else "layers",
                "recompute_blocks": self.kept_text, "gpu_resident_layers": self.gpu_layers,
                "predicted_step_s": self.prediction.step_s if self.prediction else None}
         if self.prediction:
@@ -179,8 +196,10 @@ class Placement:
                      f"{_count(sum(self.numels.values()))} params"]
         chunk = "none" if self.mlp_chunk_tokens < 0 else f"{self.mlp_chunk_tokens} tokens"
         lines.append(f"  MLP chunk: {chunk} ({self.mlp_chunk_reason})")
-        lines.append(f"  activations: {self.kept_text} blocks (K = {self.block}) kept, the rest recomputed "
+        lines.append(f"  activations: {self.kept_text} blocks (K = {self.block}), the rest recomputed "
                      f"(recompute={self.recompute}: {self.recompute_reason})")
+        if self.schedule_reason:
+            lines.append(f"  micro-batches: {'sequential' if self.sequential else 'layers'} ({self.schedule_reason})")
         if self.prediction is not None:
             lines.append(f"  {self.prediction.describe()}")
         if not self.on_gpu:
@@ -230,13 +249,15 @@ def gpu_fixed_parts(numels: dict[str, int], shape: StepShape, any_gpu_tier: bool
         "slots": shape.num_pool_slots * max_layer * c,
         "staging": max_layer * 4 if (any_host_layer and shape.stream_fp32 and c != 4) else 0,
         "resident_compute": other * c,
-        "grad_accumulators": shape.block * max_layer * 4 if shape.micro_batches > 1 else 0,
+        # fp32 sums across micro-batches: one block's at a time, or every layer's through a sequential step
+        "grad_accumulators": (shape.num_layers if shape.sequential else shape.block) * max_layer * 4
+        if shape.micro_batches > 1 else 0,
         "update_scratch": max(numels.values()) * 4 if (any_gpu_tier and c != 4) else 0,
     }
     parts.update(activations.gpu_working_set(
         num_layers=shape.num_layers, hidden=shape.hidden, ffn=shape.ffn, vocab=shape.vocab,
-        micro_batches=shape.micro_batches, tokens_per_micro_batch=shape.tokens_per_micro_batch, block=shape.block,
-        compute_bytes=c, loss_chunk_tokens=shape.loss_chunk_tokens, mlp_chunk_tokens=shape.mlp_chunk_tokens,
+        micro_batches=shape.held_micro_batches, tokens_per_micro_batch=shape.tokens_per_micro_batch,
+        block=shape.block, compute_bytes=c, loss_chunk_tokens=shape.loss_chunk_tokens, mlp_chunk_tokens=shape.mlp_chunk_tokens,
         boundaries_on_gpu=shape.boundaries_on_gpu, kept_layers=shape.kept_layers,
         recomputed_blocks=shape.num_blocks - len(shape.kept_blocks)))
     return parts
@@ -259,7 +280,7 @@ def host_boundaries(shape: StepShape) -> int:
     if shape.boundaries_on_gpu is None:
         return 0
     return activations.host_boundary_bytes(
-        num_layers=shape.num_layers, hidden=shape.hidden, micro_batches=shape.micro_batches,
+        num_layers=shape.num_layers, hidden=shape.hidden, micro_batches=shape.held_micro_batches,
         tokens_per_micro_batch=shape.tokens_per_micro_batch, block=shape.block, compute_bytes=shape.compute_bytes,
         boundaries_on_gpu=shape.boundaries_on_gpu)
 
@@ -338,10 +359,34 @@ def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool
         placement.recompute_reason = ("CPU run: recompute every block (no GPU memory to plan)" if not on_gpu else
                                       "auto: nothing kept (the MLP is chunked)" if placement.mlp_chunk_tokens > 0
                                       else "auto: nothing kept (the plan does not fit)")
+    if shape.schedule == "auto" and shape.micro_batches > 1 and on_gpu and not problems:
+        placement = _schedule(numels, shape, placement, grads, args)
     placement.grad_setting, placement.mlp_chunk_reason, placement.recompute = grads, reason, asked
     if problems:
         raise DoesNotFit(_refusal(problems, placement, asked), placement)
     return placement
+
+
+def _schedule(numels, shape: StepShape, layers: Placement, grads, args) -> Placement:
+    """micro_batch_schedule="auto": the "layers" plan, or the "sequential" one where it fits and the model
+    predicts it CONTESTED_GAIN faster (it holds one micro-batch's activations, so it can keep more blocks,
+    but loads every layer once more per micro-batch). Not below SEQUENTIAL_MIN_TOKENS tokens per
+    micro-batch, nor with a chunked MLP (nothing is kept then)."""
+    if shape.tokens_per_micro_batch < SEQUENTIAL_MIN_TOKENS:
+        layers.schedule_reason = f"auto: micro-batches of {shape.tokens_per_micro_batch} tokens, < {SEQUENTIAL_MIN_TOKENS}"
+        return layers
+    if layers.mlp_chunk_tokens > 0:
+        layers.schedule_reason = "auto: the MLP is chunked"
+        return layers
+    seq, problems = _plan_grads(numels, replace(shape, schedule="sequential", mlp_chunk_tokens=-1), grads, args)
+    a, b = layers.prediction.step_s, (seq.prediction.step_s if seq.prediction else float("inf"))
+    if not problems and b < a * (1 - CONTESTED_GAIN):
+        seq.mlp_chunk_tokens, seq.mlp_chunk_reason = layers.mlp_chunk_tokens, layers.mlp_chunk_reason
+        seq.schedule_reason = f"auto: predicted {b:.3f} s keeping {len(seq.kept_blocks)}/{seq.num_blocks} blocks, vs {a:.3f} s over all micro-batches at once"
+        return seq
+    why = "does not fit" if problems else f"predicted {b:.3f} s vs {a:.3f} s"
+    layers.schedule_reason = f"auto: sequential {why}"
+    return layers
 
 
 def _refusal(problems: dict[str, str], placement: Placement, recompute: str) -> str:
@@ -434,7 +479,7 @@ def _plan_with(numels, shape, *, setting, on_gpu, gpu_free, host_available, gpu_
                           boundaries_on_gpu=shape.boundaries_on_gpu, mlp_chunk_tokens=resolved_chunk(shape),
                           block=shape.block, num_pool_slots=shape.num_pool_slots, num_blocks=shape.num_blocks,
                           kept_blocks=shape.kept_blocks, recompute=shape.recompute, recompute_reason=reason,
-                          prediction=prediction, on_gpu=on_gpu)
+                          prediction=prediction, on_gpu=on_gpu, sequential=shape.sequential)
     placement.gpu_parts = _gpu_parts(numels, tiers, shape)
     placement.host_parts = host_parts_for(numels, tiers, shape)
     gpu_total, host_total = sum(placement.gpu_parts.values()), sum(placement.host_parts.values())
@@ -549,7 +594,8 @@ def step_load(numels: dict[str, int], tiers: dict[str, str], shape: StepShape) -
         layer_kept=[i in kept for i in range(len(layers))],
         other_params_gpu=sum(numels[x] for x in other if tiers[x] == "gpu"),
         other_params_host=sum(numels[x] for x in other if tiers[x] == "host"),
-        stream_bytes=shape.stream_bytes, grad_bytes=4 if shape.grads == "host" else shape.compute_bytes)
+        stream_bytes=shape.stream_bytes, grad_bytes=4 if shape.grads == "host" else shape.compute_bytes,
+        passes=shape.micro_batches if shape.sequential else 1, compute_bytes=shape.compute_bytes)
 
 
 def _gpu_parts(numels, tiers, shape) -> dict[str, int]:

@@ -81,6 +81,7 @@ def test_cuda_load_wait_timer_is_a_part_of_the_step():
     ("none", dict(gpu_resident="4")),  # every block kept, all on the GPU tier
     ("none", dict(gpu_resident="1")),  # every block kept, host-tier layers streamed (weights by slot position)
     ("auto", dict(gpu_resident="2", keep={1})),  # a mixed keep-set with mixed tiers
+    ("none", dict(gpu_resident="4", micro_batch_schedule="sequential")),  # one micro-batch at a time
 ])
 def test_cuda_kept_activations_match_recompute_all(recompute, kw):
     """Kept blocks on CUDA (graphs made in the forward, weights read back by slot position in the backward,

@@ -69,3 +69,43 @@ def test_keep_all_matches_recompute_all_bit_for_bit():
     assert losses_a == losses_b
     for name in final_a:
         assert torch.equal(final_a[name], final_b[name]), name
+
+
+@pytest.mark.parametrize("preset,keep,tiers", [
+    ("tiny-llama", "none", False),  # untied, every block recomputed, one micro-batch at a time
+    ("tiny-qwen2", "all", True),  # tied, every block kept, mixed tiers
+    ("tiny-qwen3", {0}, True),  # mixed keep-set, mixed tiers
+])
+def test_parity_sequential_micro_batches(preset, keep, tiers):
+    """micro_batch_schedule="sequential": forward + backward one micro-batch at a time (gradients summed
+    across the passes, the embedding/head gradients handed out after the last) trains as plain PyTorch."""
+    spec = PRESETS[preset]
+    hf = spec.to_hf_config("eager")
+    kw = {"tiers": _tiers(hf)} if tiers else {}
+    if isinstance(keep, set):
+        recompute, kw["keep"] = "auto", keep
+    else:
+        recompute = {"none": "all", "all": "none"}[keep]
+    cfg = engine_cfg(checkpoint_interval=2, micro_batches=2, recompute=recompute, micro_batch_schedule="sequential")
+    assert_parity(hf, cfg, batches(spec), micro_batches=2, engine_kwargs=kw)
+
+
+def test_sequential_loads_each_layer_twice_per_micro_batch():
+    from megatrain import MegaTrain
+
+    spec = PRESETS["tiny-llama"]
+    loads = {}
+    for schedule in ("layers", "sequential"):
+        engine = MegaTrain.from_config(spec.to_hf_config("eager"),
+                                       engine_cfg(checkpoint_interval=1, micro_batches=2, micro_batch_schedule=schedule),
+                                       verbose=False)
+        assert engine.placement.sequential == (schedule == "sequential")
+        assert engine.info["micro_batch_schedule"] == schedule
+        engine.step(batches(spec, steps=1)[0])
+        loads[schedule] = engine.pool.loads
+        engine.close()
+    L, slots = spec.num_layers, 2
+    assert loads["layers"] == 2 * L - slots  # the last layers of the forward are reused at the turn
+    # the same once per micro-batch, and at the turn between passes the first layers are reused too (the
+    # backward ends with them; weights change only after the step)
+    assert loads["sequential"] == 2 * (2 * L - slots) - slots

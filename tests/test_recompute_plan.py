@@ -71,6 +71,23 @@ def test_contested_memory_goes_to_the_faster_split():
     assert fast.prediction.step_s < every.prediction.step_s * (1 - placement.CONTESTED_GAIN)
 
 
+def test_sequential_micro_batches_keep_every_block_at_3b_64k():
+    """3B at 64x1024: in one micro-batch only 7 layers' graphs fit; in 8 micro-batches run one at a time
+    (micro_batch_schedule auto -> sequential) every block is kept, and the plan says why."""
+    one = _plan("qwen2.5-3b", 64 * 1024)
+    eight = _plan("qwen2.5-3b", 64 * 1024, micro_batches=8)
+    assert not one.sequential and 0 < len(one.kept_blocks) < 36
+    assert eight.sequential and len(eight.kept_blocks) == 36 and not eight.host_names
+    assert eight.gpu_parts["grad_accumulators"] == 36 * eight.numels["layer.0"] * 4  # every layer's fp32 sum
+    assert eight.prediction.step_s < one.prediction.step_s and "micro-batches: sequential" in eight.summary()
+    assert eight.info()["micro_batch_schedule"] == "sequential"
+    # below SEQUENTIAL_MIN_TOKENS per micro-batch it stays layer-major
+    small = _plan("qwen2.5-3b", 16 * 1024, micro_batches=8)
+    assert not small.sequential and "< 4096" in small.schedule_reason
+    with pytest.raises(ValueError, match="micro_batch_schedule"):
+        EngineConfig(micro_batch_schedule="random")
+
+
 def test_recompute_none_that_does_not_fit_is_one_line():
     with pytest.raises(placement.DoesNotFit) as err:
         _plan("qwen2.5-7b", 64 * 1024, {"recompute": "none"})
