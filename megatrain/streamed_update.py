@@ -390,7 +390,11 @@ def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host
         rates = measure_rates(streams.device, cpu_opt.kernel) if streams.cuda else UpdateRates()
         c = 4 if store.shadow is None else 2
         order = [(x, numels[x]) for x in host_names]
-        kw = dict(stream_bytes=c, grad_bytes=0 if grads_on_host else 2, grad_up_bytes=4 if grads_on_host else 0)
+        # Kept masters (no second load) when the staging left after the chunks holds them all; otherwise
+        # the model counts the forward's load of a GPU-path group too.
+        kept_all = staging_bytes - rotating_bytes(chunk, grads_on_host) >= 4 * sum(numels.values())
+        kw = dict(stream_bytes=c, grad_bytes=0 if grads_on_host else 2, grad_up_bytes=4 if grads_on_host else 0,
+                  gpu_load_bytes=0 if (kept_all and store.shadow is None) else c)
         # Speculative steps: the GPU path's prefix shrinks as the CPU's head start (the backward) grows; the
         # longest one (no head start) bounds which groups it may ever take. Until a backward is measured,
         # a speculative step keeps the CPU path alone (it is what ran before: never slower).

@@ -85,13 +85,14 @@ def _cpu_only_s(numels: list[tuple[str, int]], rates: UpdateRates, head_start_s:
 
 def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative: bool = False,
                backward_s: float = 0.0, stream_bytes: int = 4, grad_bytes: int = 2, grad_up_bytes: int = 0,
-               max_numel: int | None = None, max_gpu_groups: int | None = None) -> Split:
+               gpu_load_bytes: int = 0, max_numel: int | None = None, max_gpu_groups: int | None = None) -> Split:
     """Split ``numels`` ((group, numel) in the next forward's order) between the CPU and GPU update paths.
 
     ``stream_bytes``: per-param bytes the forward loads for a CPU-path group (4 fp32 master, 2 bf16 shadow);
     ``grad_bytes``: per-param bytes of the gradient the CPU path pulls to the host (2 bf16, 4 fp32; 0 when
     it is already there); ``grad_up_bytes``: per-param bytes of gradient the GPU path must upload (0 when
-    the gradient waits on the GPU; 4 with grad_placement="host"). ``max_numel``: groups larger than this do
+    the gradient waits on the GPU; 4 with grad_placement="host"); ``gpu_load_bytes``: per-param bytes the
+    forward still loads for a GPU-path group (0 when its updated master is kept on the GPU). ``max_numel``: groups larger than this do
     not fit the staging buffers and stay on the CPU path. ``max_gpu_groups``: a cap on the GPU path's size.
     ``speculative``: the CPU path started ``backward_s`` earlier (see module doc)."""
     cpu_loaded = rates.cpu_loaded_gps * GB
@@ -101,7 +102,7 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
     only = _cpu_only_s(numels, rates, head)
     if not eligible or max_gpu_groups == 0:
         return Split([], [x for x, _ in numels], only, only, "no group fits the staging buffers")
-    up_b, down_b = STATE_BYTES + grad_up_bytes, STATE_BYTES
+    up_b, down_b = STATE_BYTES + grad_up_bytes + gpu_load_bytes, STATE_BYTES  # (the load shares the H2D link)
 
     def gpu_time(gpu_numels: list[int]) -> float:
         # Uploads and downloads pipeline (the download of one group under the upload of the next): the
