@@ -32,6 +32,7 @@ from .pinning import pin_in_place, unpin
 from .store import ModelStore
 from .streams import StreamSet, WaitTimer
 from .system import OptimConfig
+from . import update_split
 from .update_split import Split, UpdateRates, forced_split, measure_rates, plan_split
 
 ROTATING = 2  # staging buffers (p, m, v chunks) in flight: one chunk uploads while the previous one downloads
@@ -79,26 +80,24 @@ class StreamedAdamW:
     (4 B/param), given to groups in forward order."""
 
     def __init__(self, store: ModelStore, cfg: OptimConfig, names: list[str], streams: StreamSet, *,
-                 chunk: int, kept_budget: float, pin: bool):
+                 chunk: int, kept_budget: float, pin: bool, prefetch: bool = False):
         self.store, self.cfg, self.names, self.streams = store, cfg, list(names), streams
         dev = self.device = streams.device
         cuda = streams.cuda
         self.up = torch.cuda.Stream(dev) if cuda else streams.compute
         self.upd = torch.cuda.Stream(dev) if cuda else streams.compute
         self.down = torch.cuda.Stream(dev) if cuda else streams.compute
+        # Prefetched groups' downloads: their own stream, so they do not queue ahead of the chunks' downloads
+        # (which free the rotating buffers the chunk pipeline waits for).
+        self.down_full = torch.cuda.Stream(dev) if cuda else streams.compute
         self.chunk = chunk
         self.rot = [torch.empty(3 * chunk, dtype=torch.float32, device=dev) for _ in range(ROTATING if names else 0)]
         self.rot_free = [None] * len(self.rot)  # event after the download that last read each buffer
         self._next = 0  # the rotating buffer the next chunk takes
         self.kept: dict[str, torch.Tensor] = {}
-        # With a bf16 shadow the forward computes with the rounded master: loads read the shadow (written back
-        # with the master), so nothing is kept (a kept fp32 master would give different weights).
-        left = kept_budget if store.shadow is None else 0.0
-        for name in self.names:
-            n = store.by_name[name].numel
-            if 4 * n <= left:
-                self.kept[name] = torch.empty(n, dtype=torch.float32, device=dev)
-                left -= 4 * n
+        self.full: dict[str, torch.Tensor] = {}  # prefetched groups: p | m | v on the GPU (``set_prefetch``)
+        self.kept_budget, self.prefetch = kept_budget, prefetch
+        self._allocate(())
         self.dev_steps = {name: torch.zeros((), dtype=torch.float32, device=dev) for name in self.names}
         # Host state crosses PCIe asynchronously only from page-locked memory: m, v (and the master when a
         # bf16 shadow is what the store pins for streaming) are registered here.
@@ -112,26 +111,77 @@ class StreamedAdamW:
         self._updated: dict[str, object] = {}  # name -> event after its last update (kept master valid)
         self._down: dict[str, object] = {}  # name -> event after its last download (host state valid)
         self._fresh: set[str] = set()  # kept masters holding the last update, not yet read by a load
+        self._prefetched: dict[str, object] = {}  # this step's prefetched groups -> event after their upload
         self.wait_timer = WaitTimer(streams)  # loads' GPU waits for this path
         self._spans: list[tuple] = []  # (first upload start, last download end) timing events per step
         self.busy_s = 0.0  # GPU time from a step's first upload to its last download (settled)
         self.updates = 0  # groups updated on this path
 
+    def _allocate(self, full_names) -> None:
+        """Full buffers (12 B/param) for ``full_names``, then kept masters (4 B/param) for the other groups in
+        forward order, within ``kept_budget``."""
+        self.kept, self.full = {}, {}
+        # With a bf16 shadow the forward computes with the rounded master: loads read the shadow (written back
+        # with the master), so nothing is kept (a kept fp32 master would give different weights).
+        left = self.kept_budget if self.store.shadow is None else 0.0
+        for name in self.names:
+            n = self.store.by_name[name].numel
+            if name in full_names and 12 * n <= left:
+                self.full[name] = torch.empty(3 * n, dtype=torch.float32, device=self.device)
+                left -= 12 * n
+                if self.store.shadow is None:
+                    self.kept[name] = self.full[name][:n]
+        for name in self.names:
+            n = self.store.by_name[name].numel
+            if name not in self.full and 4 * n <= left:
+                self.kept[name] = torch.empty(n, dtype=torch.float32, device=self.device)
+                left -= 4 * n
+
+    def set_prefetch(self, names) -> list[str]:
+        """From now on, upload ``names``' state during the backward (as each gradient arrives); returns the
+        ones the budget holds. Called between steps (nothing of this path is in flight on its buffers then,
+        after ``wait_all``)."""
+        self.wait_all()
+        if self.streams.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.up)  # old buffers are freed after their use
+        self._fresh.clear()
+        self._allocate(set(names))
+        return [x for x in self.names if x in self.full]
+
     @property
     def staging_bytes(self) -> int:
-        return sum(t.numel() * 4 for t in self.rot) + sum(t.numel() * 4 for t in self.kept.values())
+        return (sum(t.numel() * 4 for t in self.rot) + sum(t.numel() * 4 for t in self.full.values())
+                + sum(t.numel() * 4 for x, t in self.kept.items() if x not in self.full))
 
     # -- GroupOptimizer -------------------------------------------------------------------------------
     def begin_step(self, step: int, speculate: bool) -> None:
-        self._grads = {}
+        self._grads, self._prefetched = {}, {}
 
     def grad_ready(self, name: str, flat: torch.Tensor, sqnorm: torch.Tensor, ready) -> None:
         self._grads[name] = (flat, ready)  # consumed after the norm (this path never updates early)
+        buf = self.full.get(name)
+        if buf is None:
+            return
+        # Prefetch: the state goes up now, during the backward; only the update needs the clip coefficient.
+        # Host state is final here: the last GPU-path download is waited for below, a CPU-path update was
+        # waited for by this step's forward before it loaded the group.
+        s, st, n = self.streams, self.store, self.store.by_name[name].numel
+        self._fresh.discard(name)  # its kept master (the first third) is overwritten now
+        with s.use(self.up):
+            if s.cuda:
+                self.up.wait_stream(s.h2d)  # the forward's cast of the kept master was queued on H2D before
+            if self._down.get(name) is not None:
+                self.up.wait_event(self._down[name])
+            buf[:n].copy_(st.master[name], non_blocking=True)
+            buf[n:2 * n].copy_(st.m[name], non_blocking=True)
+            buf[2 * n:].copy_(st.v[name], non_blocking=True)
+            self._prefetched[name] = s.record(self.up)
 
     def finish(self, step: int, coef: float | None) -> None:
         grads, self._grads = self._grads, {}
+        prefetched, self._prefetched = self._prefetched, {}
         self._fresh.clear()  # kept masters of the last step are either read already or stale now
-        if coef is None or not grads:
+        if coef is None or not grads:  # (prefetched state is dropped: the host copy is unchanged)
             return  # skipped step (or nothing routed here): state untouched
         s, st, cuda = self.streams, self.store, self.streams.cuda
         lr = self.cfg.lr_at(step)
@@ -145,6 +195,9 @@ class StreamedAdamW:
         done = None
         for name in [x for x in self.names if x in grads]:  # the order the next forward needs them
             flat, ready = grads.pop(name)
+            if name in prefetched:
+                self._update_prefetched(name, flat, ready, prefetched[name], lr, scale)
+                continue
             n, kept = st.by_name[name].numel, self.kept.get(name)
             st.steps[name].add_(1)  # host count (checkpoints read it); the kernel wants it on the device
             with s.use(self.up):
@@ -204,6 +257,42 @@ class StreamedAdamW:
         if cuda and done is not None:
             self._spans.append((start, done))
 
+    def _update_prefetched(self, name: str, flat, ready, uploaded, lr: float, scale) -> None:
+        """Update a group whose state is already on the GPU (``full``), then download it on its own stream."""
+        s, st, buf = self.streams, self.store, self.full[name]
+        n = st.by_name[name].numel
+        p, m, v = buf[:n], buf[n:2 * n], buf[2 * n:]
+        st.steps[name].add_(1)
+        with s.use(self.upd):
+            self.upd.wait_event(uploaded)
+            self.dev_steps[name].fill_(float(st.steps[name]))
+            if flat.device == self.device:
+                self.upd.wait_event(ready)
+                s.keep_alive(flat, self.upd)
+            else:
+                self.upd.wait_event(ready)  # grad_placement="host": its D2H copy has landed
+            for a in range(0, n, self.chunk):  # chunk by chunk: one chunk's fp32 gradient at a time
+                e = min(n, a + self.chunk)
+                g = flat[a:e]
+                g = g.to(self.device, dtype=torch.float32, non_blocking=True) if g.device != self.device else g
+                adamw_(p[a:e], g if g.dtype == torch.float32 else g.float(), m[a:e], v[a:e], self.dev_steps[name],
+                       lr, self.cfg, scale)
+            shadow = p.to(st.shadow[name].dtype) if (st.shadow is not None and name in st.shadow) else None
+            updated = s.record(self.upd)
+        with s.use(self.down_full):
+            self.down_full.wait_event(updated)
+            st.master[name].copy_(p, non_blocking=True)
+            st.m[name].copy_(m, non_blocking=True)
+            st.v[name].copy_(v, non_blocking=True)
+            if shadow is not None:
+                s.keep_alive(shadow, self.down_full)
+                st.shadow[name].copy_(shadow, non_blocking=True)
+            done = s.record(self.down_full)
+        self._down[name], self._updated[name] = done, updated
+        if name in self.kept:
+            self._fresh.add(name)
+        self.updates += 1
+
     def wait_group(self, name: str):
         """The event a load of ``name`` must wait for: its update when it reads the kept master
         (``device_source``), its download when it reads host RAM; None before any update."""
@@ -255,14 +344,17 @@ class HybridHostAdamW:
     (``gpu``, a StreamedAdamW) sharing the host-tier groups per ``splits`` ({speculating: Split})."""
 
     def __init__(self, cpu, gpu: StreamedAdamW | None = None, splits: dict[bool, Split] | None = None,
-                 rates: UpdateRates | None = None, replan_speculative=None):
-        """``replan_speculative(backward_s)``: the speculative split for a measured backward time (the CPU
-        path's head start); until one is observed, speculative steps use ``splits[True]``."""
+                 rates: UpdateRates | None = None, replan=None, choose_prefetch=None):
+        """``replan(backward_s, prefetched)``: both splits ({speculating: Split}) for a measured backward time
+        (a speculative CPU path's head start) and the prefetched groups; until a backward is observed,
+        ``splits``. ``choose_prefetch(backward_s)``: the groups to prefetch (gpu_path_prefetch), decided
+        once, after the first step."""
         self.cpu, self.gpu = cpu, gpu
         self.names = list(cpu.names)
         self.splits = dict(splits or {})
         self.rates = rates
-        self._replan = replan_speculative
+        self._replan, self._choose_prefetch = replan, choose_prefetch
+        self.prefetched: list[str] | None = None  # decided after the first step (None: not yet / not asked)
         self.backward_s: float | None = None  # running estimate of the backward's time (observe_step)
         self._gpu_set: set[str] = set()  # this step's GPU-path groups
         self._last_gpu: set[str] = set()  # GPU-path groups of the last finished step (their loads wait there)
@@ -295,10 +387,14 @@ class HybridHostAdamW:
         """After a step: its backward time sets how long a speculative CPU path runs before the norm, so the
         speculative split is planned again from it (an average over steps)."""
         bwd = stats.get("backward_s")
-        if self._replan is None or bwd is None or not math.isfinite(bwd):
+        if self.gpu is None or bwd is None or not math.isfinite(bwd):
             return
         self.backward_s = bwd if self.backward_s is None else 0.5 * (self.backward_s + bwd)
-        self.splits[True] = self._replan(self.backward_s)
+        if self._choose_prefetch is not None and self.prefetched is None:
+            # Once: the backward's length bounds how much state can go up during it (buffers are allocated now).
+            self.prefetched = self.gpu.set_prefetch(self._choose_prefetch(self.backward_s))
+        if self._replan is not None:
+            self.splits.update(self._replan(self.backward_s, frozenset(self.prefetched or ())))
 
     def split_for(self, speculate: bool) -> Split:
         return self.splits.get(speculate) or Split([], list(self.names))
@@ -362,8 +458,9 @@ class HybridHostAdamW:
                          + (f", predicted {sp.predicted_s:.3f} s vs CPU only {sp.predicted_cpu_only_s:.3f} s"
                             if sp.predicted_cpu_only_s else "") + (f" ({sp.reason})" if sp.reason else ""))
         rates = f"; rates {self.rates.to_dict()}" if self.rates is not None else ""
+        pre = "" if self.prefetched is None else f", {len(self.prefetched)} prefetched during the backward"
         return (f"host update: CPU kernel + GPU path (staging {self.gpu.staging_bytes / GIB:.2f} GiB, "
-                f"{len(self.gpu.kept)} kept masters); " + "; ".join(parts) + rates)
+                f"{len(self.gpu.kept)} kept masters{pre}); " + "; ".join(parts) + rates)
 
 
 def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host_names: list[str],
@@ -381,15 +478,22 @@ def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host
         raise ValueError(f"update_path='hybrid': {staging_bytes / GIB:.2f} GiB of GPU staging is less than the GPU "
                          f"path needs ({rotating_bytes(MIN_CHUNK_ELEMS, grads_on_host) / GIB:.2f} GiB): raise "
                          f"update_staging_gib")
-    rates, replan = None, None
+    rates, replan, choose = None, None, None
+    order = [(x, numels[x]) for x in host_names]
+    c = 4 if store.shadow is None else 2
     if cfg.gpu_path_groups != "auto":
         forced = [x.strip() for x in cfg.gpu_path_groups.split(",") if x.strip()]
         split = forced_split(host_names, forced)
         splits = {False: split, True: split}
+        candidates = split.gpu
+        if cfg.gpu_path_prefetch:  # the forced groups only, the model's amount
+            rates = UpdateRates()
+            forced_order = [(x, numels[x]) for x in split.gpu]
+            choose = lambda bwd: update_split.prefetch_set(  # noqa: E731
+                forced_order, rates, backward_s=bwd, load_bytes=c * sum(numels.values()),
+                budget_bytes=staging_bytes - rotating_bytes(chunk, grads_on_host))
     else:
         rates = measure_rates(streams.device, cpu_opt.kernel) if streams.cuda else UpdateRates()
-        c = 4 if store.shadow is None else 2
-        order = [(x, numels[x]) for x in host_names]
         # Kept masters (no second load) when the staging left after the chunks holds them all; otherwise
         # the model counts the forward's load of a GPU-path group too.
         kept_all = staging_bytes - rotating_bytes(chunk, grads_on_host) >= 4 * sum(numels.values())
@@ -400,12 +504,21 @@ def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host
         # a speculative step keeps the CPU path alone (it is what ran before: never slower).
         longest = len(plan_split(order, rates, speculative=True, backward_s=0.0, **kw).gpu)
         splits = {False: plan_split(order, rates, **kw), True: Split([], list(host_names), reason="no backward measured yet")}
-        replan = lambda backward_s: plan_split(order, rates, speculative=True, backward_s=backward_s,  # noqa: E731
-                                               max_gpu_groups=longest, **kw)
-        splits["longest"] = Split(host_names[:longest])
-    candidates = [x for x in host_names if x in set(splits[False].gpu) | set(splits[True].gpu)
-                  | set(splits.pop("longest", Split()).gpu)]
+
+        def replan(backward_s: float, prefetched: frozenset) -> dict:
+            return {False: plan_split(order, rates, prefetched=prefetched, **kw),
+                    True: plan_split(order, rates, speculative=True, backward_s=backward_s, max_gpu_groups=longest,
+                                     prefetched=prefetched, **kw)}
+
+        candidates = [x for x in host_names if x in set(splits[False].gpu) | set(host_names[:longest])]
+        if cfg.gpu_path_prefetch:
+            candidates = list(host_names)  # any group may be prefetched (its m, v are pinned for it)
+            choose = lambda bwd: update_split.prefetch_set(  # noqa: E731
+                order, rates, backward_s=bwd, load_bytes=c * sum(numels.values()),
+                budget_bytes=staging_bytes - rotating_bytes(chunk, grads_on_host))
     kept_budget = max(0.0, staging_bytes - rotating_bytes(chunk, grads_on_host))
+    if not candidates:
+        return HybridHostAdamW(cpu_opt, None, splits, rates)
     gpu = StreamedAdamW(store, cfg.optim, candidates, streams, chunk=chunk, kept_budget=kept_budget,
-                        pin=streams.cuda and cfg.pin_memory)
-    return HybridHostAdamW(cpu_opt, gpu if candidates else None, splits, rates, replan if candidates else None)
+                        pin=streams.cuda and cfg.pin_memory, prefetch=cfg.gpu_path_prefetch)
+    return HybridHostAdamW(cpu_opt, gpu, splits, rates, replan, choose)
