@@ -291,3 +291,22 @@ def test_forced_split_and_config_errors():
     with pytest.raises(ValueError, match="not on the host tier"):
         MegaTrain.from_config(spec.to_hf_config("eager"), hybrid_cfg(gpu_resident="2", gpu_path_groups="layer.0"),
                               verbose=False)
+
+
+def test_prefetch_set_is_a_suffix_bounded_by_spare_link_and_memory():
+    from megatrain.update_split import prefetch_set
+
+    order = _layers()
+    names = [x for x, _ in order]
+    rates = UpdateRates()
+    loads = 4 * sum(n for _, n in order)
+    pre = prefetch_set(order, rates, backward_s=1.5, load_bytes=loads, budget_bytes=1e12)
+    assert pre and pre == names[-len(pre):]
+    spare = 0.7 * (1.5 * rates.h2d_gbs * 1e9 - loads)
+    assert 12 * sum(n for x, n in order if x in pre) <= spare
+    assert len(prefetch_set(order, rates, backward_s=3.0, load_bytes=loads, budget_bytes=1e12)) > len(pre)
+    assert len(prefetch_set(order, rates, backward_s=1.5, load_bytes=loads, budget_bytes=12 * 233_000_000 * 2)) <= 2
+    assert prefetch_set(order, rates, backward_s=0.1, load_bytes=loads, budget_bytes=1e12) == []
+    # The split puts them on the GPU path and plans the rest.
+    split = plan_split(order, rates, prefetched=frozenset(pre))
+    assert set(pre) <= set(split.gpu) and split.cpu and "prefetched" in split.reason
