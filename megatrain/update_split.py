@@ -1,6 +1,6 @@
 """Which host-tier groups the GPU update path takes: a bandwidth model of the two update paths.
 
-The host tier's AdamW has two paths that run at the same time (megatrain/streamed_update.py):
+The host tier's AdamW has two paths that run at the same time (megatrain/host_tier.py):
 
 * **CPU**: the CPU kernel updates the group in host RAM (megatrain/host_adamw.py). Memory-bound: ``cpu_gps``
   Gparam/s alone, ``cpu_loaded_gps`` while the GPU path's copies load host memory too (H200 node: 4.20 and
