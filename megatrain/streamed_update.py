@@ -21,6 +21,8 @@ master, for the download otherwise. On a CPU run every stream is a no-op and the
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .optim import adamw_
@@ -100,7 +102,11 @@ class StreamedAdamW:
             for name in self.names:
                 tables = [store.m, store.v] + ([store.master] if store.shadow is not None else [])
                 for t in tables:
-                    self._pinned.append(pin_in_place(t[name], f"host-tier state of {name} (GPU update path)"))
+                    try:
+                        self._pinned.append(pin_in_place(t[name], f"host-tier state of {name} (GPU update path)"))
+                    except RuntimeError as exc:  # still correct from pageable memory, only slower (synchronous)
+                        warnings.warn(f"GPU update path: {exc}; its copies of {name} run from pageable memory",
+                                      RuntimeWarning)
         self._grads: dict[str, tuple] = {}
         self._updated: dict[str, object] = {}  # name -> event after its last update (kept master valid)
         self._down: dict[str, object] = {}  # name -> event after its last download (host state valid)
