@@ -111,6 +111,11 @@ class EngineConfig:
     # master+m+v chunk buffers, ~0.9 GiB at full chunk size, then kept masters, 4 B/param, in forward
     # order); GPU memory the plan leaves unused beyond its margin is used as well.
     update_staging_gib: float = 1.0
+    # With "hybrid": upload some GPU-path groups' master, m and v during the backward, as their gradients
+    # arrive (only the update needs the clip coefficient), into buffers held until the norm (12 B/param of
+    # the staging budget): after the norm only their update and download are left. How many: what the
+    # backward's spare H2D bandwidth carries (measured after the first step) and the budget holds.
+    gpu_path_prefetch: bool = False
     attn_implementation: str = "sdpa"
     seed: int = 0
     # Saves kept in a checkpoint folder: ``save`` removes the engine's own step folders beyond the newest N.

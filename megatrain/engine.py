@@ -28,6 +28,7 @@ from .device_adamw import DeviceAdamW
 from .grad_offload import GradStream
 from .grad_placement import make_grad_home
 from .host_adamw import HostAdamW
+from .host_tier import build_host_tier
 from .keep import KeptBlocks, KeptGraph
 from .link import make_link
 from .loss import chunked_lm_loss
@@ -35,7 +36,6 @@ from .optim import Optimizers
 from .slots import SlotPool
 from .spec import with_positions
 from .store import ModelStore, make_groups, views
-from .streamed_update import build_host_tier
 from .streams import StreamSet
 from .system import IGNORE_INDEX, MemoryStats, StepResult, labels_from_batch, shift_labels, split_micro_batches
 from .validate import validate_batch

@@ -3,27 +3,25 @@
 ``StreamedAdamW`` updates a host-tier group on the GPU once the step's global norm is known: its fp32
 master, m and v go up on an upload stream, the fused AdamW (the GPU tier's kernel, ``optim.adamw_``) runs
 on an update stream with the step's clip coefficient, and master, m, v go back on a download stream into
-the (pinned) host store. The updated master stays on the GPU in a *kept* buffer when the staging budget
-allows, and the next forward casts it into its slot from there (``device_source``: no second load);
-otherwise the forward loads the group from host RAM once the download has landed. The gradient is used
-where it waits (on the GPU; uploaded first with grad_placement="host").
+the (pinned) host store, in chunks through two rotating buffers. The updated master stays on the GPU in a
+*kept* buffer when the staging budget allows, and the next forward casts it into its slot from there
+(``device_source``: no second load); otherwise the forward loads the group from host RAM once the
+download has landed. The gradient is used where it waits (on the GPU; uploaded first with
+grad_placement="host"). With prefetch, a group's state goes up during the backward instead.
 
-``HybridHostAdamW`` is the host tier's optimizer behind the ``GroupOptimizer`` interface
-(megatrain/optim.py): it routes each group, per step, to the CPU kernel (megatrain/host_adamw.py, which
-runs in its worker thread meanwhile) or to ``StreamedAdamW``, by a split from megatrain/update_split.py
-(one for steps that speculate, one for steps that wait for the norm), and sends each group's next load
-to the path that last updated it. With ``update_path="cpu"`` every group goes to the CPU kernel, as before.
+The host tier's optimizer that shares the groups between this path and the CPU kernel is
+``HybridHostAdamW`` (megatrain/host_tier.py).
 
-Streams (CUDA): the copies and the update run on three streams of their own, so they queue neither behind
+Streams (CUDA): the copies and the update run on streams of their own, so they queue neither behind
 the next forward's weight loads (engine H2D stream), nor the CPU path's gradient copies (engine D2H stream),
-nor its compute. Ordering, per group: upload waits for the rotating buffer's previous download and for
+nor its compute. Ordering, per chunk: upload waits for the rotating buffer's previous download and for
 the group's own previous download; update waits for the upload and the gradient; download waits for the
 update. A load of the group waits (on the engine's H2D stream) for the update when it reads the kept
 master, for the download otherwise. On a CPU run every stream is a no-op and the same code runs in order.
 """
 from __future__ import annotations
 
-import math
+import warnings
 
 import torch
 
@@ -32,7 +30,6 @@ from .pinning import pin_in_place, unpin
 from .store import ModelStore
 from .streams import StreamSet, WaitTimer
 from .system import OptimConfig
-from .update_split import Split, UpdateRates, forced_split, measure_rates, plan_split
 
 ROTATING = 2  # staging buffers (p, m, v chunks) in flight: one chunk uploads while the previous one downloads
 CHUNK_ELEMS = 1 << 25  # 32M elements per chunk: 384 MiB of p, m, v per buffer; AdamW is elementwise
@@ -79,26 +76,24 @@ class StreamedAdamW:
     (4 B/param), given to groups in forward order."""
 
     def __init__(self, store: ModelStore, cfg: OptimConfig, names: list[str], streams: StreamSet, *,
-                 chunk: int, kept_budget: float, pin: bool):
+                 chunk: int, kept_budget: float, pin: bool, prefetch: bool = False):
         self.store, self.cfg, self.names, self.streams = store, cfg, list(names), streams
         dev = self.device = streams.device
         cuda = streams.cuda
         self.up = torch.cuda.Stream(dev) if cuda else streams.compute
         self.upd = torch.cuda.Stream(dev) if cuda else streams.compute
         self.down = torch.cuda.Stream(dev) if cuda else streams.compute
+        # Prefetched groups' downloads: their own stream, so they do not queue ahead of the chunks' downloads
+        # (which free the rotating buffers the chunk pipeline waits for).
+        self.down_full = torch.cuda.Stream(dev) if cuda else streams.compute
         self.chunk = chunk
         self.rot = [torch.empty(3 * chunk, dtype=torch.float32, device=dev) for _ in range(ROTATING if names else 0)]
         self.rot_free = [None] * len(self.rot)  # event after the download that last read each buffer
         self._next = 0  # the rotating buffer the next chunk takes
         self.kept: dict[str, torch.Tensor] = {}
-        # With a bf16 shadow the forward computes with the rounded master: loads read the shadow (written back
-        # with the master), so nothing is kept (a kept fp32 master would give different weights).
-        left = kept_budget if store.shadow is None else 0.0
-        for name in self.names:
-            n = store.by_name[name].numel
-            if 4 * n <= left:
-                self.kept[name] = torch.empty(n, dtype=torch.float32, device=dev)
-                left -= 4 * n
+        self.full: dict[str, torch.Tensor] = {}  # prefetched groups: p | m | v on the GPU (``set_prefetch``)
+        self.kept_budget, self.prefetch = kept_budget, prefetch
+        self._allocate(())
         self.dev_steps = {name: torch.zeros((), dtype=torch.float32, device=dev) for name in self.names}
         # Host state crosses PCIe asynchronously only from page-locked memory: m, v (and the master when a
         # bf16 shadow is what the store pins for streaming) are registered here.
@@ -107,31 +102,86 @@ class StreamedAdamW:
             for name in self.names:
                 tables = [store.m, store.v] + ([store.master] if store.shadow is not None else [])
                 for t in tables:
-                    self._pinned.append(pin_in_place(t[name], f"host-tier state of {name} (GPU update path)"))
+                    try:
+                        self._pinned.append(pin_in_place(t[name], f"host-tier state of {name} (GPU update path)"))
+                    except RuntimeError as exc:  # still correct from pageable memory, only slower (synchronous)
+                        warnings.warn(f"GPU update path: {exc}; its copies of {name} run from pageable memory",
+                                      RuntimeWarning)
         self._grads: dict[str, tuple] = {}
         self._updated: dict[str, object] = {}  # name -> event after its last update (kept master valid)
         self._down: dict[str, object] = {}  # name -> event after its last download (host state valid)
         self._fresh: set[str] = set()  # kept masters holding the last update, not yet read by a load
+        self._prefetched: dict[str, object] = {}  # this step's prefetched groups -> event after their upload
         self.wait_timer = WaitTimer(streams)  # loads' GPU waits for this path
         self._spans: list[tuple] = []  # (first upload start, last download end) timing events per step
         self.busy_s = 0.0  # GPU time from a step's first upload to its last download (settled)
         self.updates = 0  # groups updated on this path
 
+    def _allocate(self, full_names) -> None:
+        """Full buffers (12 B/param) for ``full_names``, then kept masters (4 B/param) for the other groups in
+        forward order, within ``kept_budget``."""
+        self.kept, self.full = {}, {}
+        # With a bf16 shadow the forward computes with the rounded master: loads read the shadow (written back
+        # with the master), so nothing is kept (a kept fp32 master would give different weights).
+        left = self.kept_budget if self.store.shadow is None else 0.0
+        for name in self.names:
+            n = self.store.by_name[name].numel
+            if name in full_names and 12 * n <= left:
+                self.full[name] = torch.empty(3 * n, dtype=torch.float32, device=self.device)
+                left -= 12 * n
+                if self.store.shadow is None:
+                    self.kept[name] = self.full[name][:n]
+        for name in self.names:
+            n = self.store.by_name[name].numel
+            if name not in self.full and 4 * n <= left:
+                self.kept[name] = torch.empty(n, dtype=torch.float32, device=self.device)
+                left -= 4 * n
+
+    def set_prefetch(self, names) -> list[str]:
+        """From now on, upload ``names``' state during the backward (as each gradient arrives); returns the
+        ones the budget holds. Called between steps (nothing of this path is in flight on its buffers then,
+        after ``wait_all``)."""
+        self.wait_all()
+        if self.streams.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.up)  # old buffers are freed after their use
+        self._fresh.clear()
+        self._allocate(set(names))
+        return [x for x in self.names if x in self.full]
+
     @property
     def staging_bytes(self) -> int:
-        return sum(t.numel() * 4 for t in self.rot) + sum(t.numel() * 4 for t in self.kept.values())
+        return (sum(t.numel() * 4 for t in self.rot) + sum(t.numel() * 4 for t in self.full.values())
+                + sum(t.numel() * 4 for x, t in self.kept.items() if x not in self.full))
 
     # -- GroupOptimizer -------------------------------------------------------------------------------
     def begin_step(self, step: int, speculate: bool) -> None:
-        self._grads = {}
+        self._grads, self._prefetched = {}, {}
 
     def grad_ready(self, name: str, flat: torch.Tensor, sqnorm: torch.Tensor, ready) -> None:
         self._grads[name] = (flat, ready)  # consumed after the norm (this path never updates early)
+        buf = self.full.get(name)
+        if buf is None:
+            return
+        # Prefetch: the state goes up now, during the backward; only the update needs the clip coefficient.
+        # Host state is final here: the last GPU-path download is waited for below, a CPU-path update was
+        # waited for by this step's forward before it loaded the group.
+        s, st, n = self.streams, self.store, self.store.by_name[name].numel
+        self._fresh.discard(name)  # its kept master (the first third) is overwritten now
+        with s.use(self.up):
+            if s.cuda:
+                self.up.wait_stream(s.h2d)  # the forward's cast of the kept master was queued on H2D before
+            if self._down.get(name) is not None:
+                self.up.wait_event(self._down[name])
+            buf[:n].copy_(st.master[name], non_blocking=True)
+            buf[n:2 * n].copy_(st.m[name], non_blocking=True)
+            buf[2 * n:].copy_(st.v[name], non_blocking=True)
+            self._prefetched[name] = s.record(self.up)
 
     def finish(self, step: int, coef: float | None) -> None:
         grads, self._grads = self._grads, {}
+        prefetched, self._prefetched = self._prefetched, {}
         self._fresh.clear()  # kept masters of the last step are either read already or stale now
-        if coef is None or not grads:
+        if coef is None or not grads:  # (prefetched state is dropped: the host copy is unchanged)
             return  # skipped step (or nothing routed here): state untouched
         s, st, cuda = self.streams, self.store, self.streams.cuda
         lr = self.cfg.lr_at(step)
@@ -145,6 +195,9 @@ class StreamedAdamW:
         done = None
         for name in [x for x in self.names if x in grads]:  # the order the next forward needs them
             flat, ready = grads.pop(name)
+            if name in prefetched:
+                self._update_prefetched(name, flat, ready, prefetched[name], lr, scale)
+                continue
             n, kept = st.by_name[name].numel, self.kept.get(name)
             st.steps[name].add_(1)  # host count (checkpoints read it); the kernel wants it on the device
             with s.use(self.up):
@@ -204,6 +257,42 @@ class StreamedAdamW:
         if cuda and done is not None:
             self._spans.append((start, done))
 
+    def _update_prefetched(self, name: str, flat, ready, uploaded, lr: float, scale) -> None:
+        """Update a group whose state is already on the GPU (``full``), then download it on its own stream."""
+        s, st, buf = self.streams, self.store, self.full[name]
+        n = st.by_name[name].numel
+        p, m, v = buf[:n], buf[n:2 * n], buf[2 * n:]
+        st.steps[name].add_(1)
+        with s.use(self.upd):
+            self.upd.wait_event(uploaded)
+            self.dev_steps[name].fill_(float(st.steps[name]))
+            if flat.device == self.device:
+                self.upd.wait_event(ready)
+                s.keep_alive(flat, self.upd)
+            else:
+                self.upd.wait_event(ready)  # grad_placement="host": its D2H copy has landed
+            for a in range(0, n, self.chunk):  # chunk by chunk: one chunk's fp32 gradient at a time
+                e = min(n, a + self.chunk)
+                g = flat[a:e]
+                g = g.to(self.device, dtype=torch.float32, non_blocking=True) if g.device != self.device else g
+                adamw_(p[a:e], g if g.dtype == torch.float32 else g.float(), m[a:e], v[a:e], self.dev_steps[name],
+                       lr, self.cfg, scale)
+            shadow = p.to(st.shadow[name].dtype) if (st.shadow is not None and name in st.shadow) else None
+            updated = s.record(self.upd)
+        with s.use(self.down_full):
+            self.down_full.wait_event(updated)
+            st.master[name].copy_(p, non_blocking=True)
+            st.m[name].copy_(m, non_blocking=True)
+            st.v[name].copy_(v, non_blocking=True)
+            if shadow is not None:
+                s.keep_alive(shadow, self.down_full)
+                st.shadow[name].copy_(shadow, non_blocking=True)
+            done = s.record(self.down_full)
+        self._down[name], self._updated[name] = done, updated
+        if name in self.kept:
+            self._fresh.add(name)
+        self.updates += 1
+
     def wait_group(self, name: str):
         """The event a load of ``name`` must wait for: its update when it reads the kept master
         (``device_source``), its download when it reads host RAM; None before any update."""
@@ -248,160 +337,3 @@ class StreamedAdamW:
         for t in self._pinned:
             unpin(t)
         self._pinned.clear()
-
-
-class HybridHostAdamW:
-    """The host tier's optimizer: the CPU kernel (``cpu``, a HostAdamW) and, when given, the GPU update path
-    (``gpu``, a StreamedAdamW) sharing the host-tier groups per ``splits`` ({speculating: Split})."""
-
-    def __init__(self, cpu, gpu: StreamedAdamW | None = None, splits: dict[bool, Split] | None = None,
-                 rates: UpdateRates | None = None, replan_speculative=None):
-        """``replan_speculative(backward_s)``: the speculative split for a measured backward time (the CPU
-        path's head start); until one is observed, speculative steps use ``splits[True]``."""
-        self.cpu, self.gpu = cpu, gpu
-        self.names = list(cpu.names)
-        self.splits = dict(splits or {})
-        self.rates = rates
-        self._replan = replan_speculative
-        self.backward_s: float | None = None  # running estimate of the backward's time (observe_step)
-        self._gpu_set: set[str] = set()  # this step's GPU-path groups
-        self._last_gpu: set[str] = set()  # GPU-path groups of the last finished step (their loads wait there)
-        self.cpu_groups = 0  # cumulative counts of routed groups (the engine reports per-step differences)
-        self.gpu_path_groups = 0
-
-    # Counters the engine reads (the CPU path's, as before).
-    @property
-    def wait_s(self) -> float:
-        return self.cpu.wait_s
-
-    @property
-    def busy_s(self) -> float:
-        return self.cpu.busy_s
-
-    @property
-    def early_groups(self) -> int:
-        return self.cpu.early_groups
-
-    @property
-    def rollbacks(self) -> int:
-        return self.cpu.rollbacks
-
-    def counters(self) -> dict[str, float]:
-        busy, wait = self.gpu.settle() if self.gpu is not None else (0.0, 0.0)
-        return dict(cpu_groups=self.cpu_groups, gpu_path_groups=self.gpu_path_groups, gpu_path_busy_s=busy,
-                    gpu_path_wait_s=wait)
-
-    def observe_step(self, stats: dict) -> None:
-        """After a step: its backward time sets how long a speculative CPU path runs before the norm, so the
-        speculative split is planned again from it (an average over steps)."""
-        bwd = stats.get("backward_s")
-        if self._replan is None or bwd is None or not math.isfinite(bwd):
-            return
-        self.backward_s = bwd if self.backward_s is None else 0.5 * (self.backward_s + bwd)
-        self.splits[True] = self._replan(self.backward_s)
-
-    def split_for(self, speculate: bool) -> Split:
-        return self.splits.get(speculate) or Split([], list(self.names))
-
-    # -- GroupOptimizer -------------------------------------------------------------------------------
-    def begin_step(self, step: int, speculate: bool) -> None:
-        split = self.split_for(speculate) if self.gpu is not None else Split([], list(self.names))
-        self._gpu_set = set(split.gpu)
-        self.cpu.begin_step(step, speculate)  # the CPU path speculates on its own groups only
-        if self.gpu is not None:
-            self.gpu.begin_step(step, False)
-
-    def grad_ready(self, name: str, flat: torch.Tensor, sqnorm: torch.Tensor, ready) -> None:
-        if name in self._gpu_set:
-            self.gpu_path_groups += 1
-            self.gpu.grad_ready(name, flat, sqnorm, ready)
-            return
-        self.cpu_groups += 1
-        if name in self._last_gpu:
-            # Last updated on the GPU path: its download must have landed before the CPU reads host state
-            # (long done by now, during this step's backward; a host wait only as a guarantee).
-            self.gpu.host_ready(name)
-        self.cpu.grad_ready(name, flat, sqnorm, ready)
-
-    def finish(self, step: int, coef: float | None) -> None:
-        if self.gpu is not None:
-            self.gpu.finish(step, coef)  # queued on the GPU first: its copies start at once
-        self.cpu.finish(step, coef)
-        if coef is not None:  # a skipped step changed nothing: each group's last path stays as it was
-            self._last_gpu = set(self._gpu_set)
-
-    def wait_group(self, name: str):
-        if name in self._last_gpu:
-            return self.gpu.wait_group(name)
-        return self.cpu.wait_group(name)
-
-    def device_source(self, name: str) -> torch.Tensor | None:
-        if self.gpu is not None and name in self._last_gpu:
-            return self.gpu.device_source(name)
-        return None
-
-    def wait_all(self) -> None:
-        self.cpu.wait_all()
-        if self.gpu is not None:
-            self.gpu.wait_all()
-
-    def close(self) -> None:
-        try:
-            if self.gpu is not None:
-                self.gpu.close()
-        finally:
-            self.cpu.close()
-
-    def summary(self) -> str:
-        if self.gpu is None:
-            return "host update: CPU kernel only"
-        parts = []
-        for spec, label in ((False, "after the norm"), (True, "speculative")):
-            sp = self.split_for(spec)
-            parts.append(f"{label}: {len(sp.gpu)} of {len(self.names)} groups on the GPU path"
-                         + (f", predicted {sp.predicted_s:.3f} s vs CPU only {sp.predicted_cpu_only_s:.3f} s"
-                            if sp.predicted_cpu_only_s else "") + (f" ({sp.reason})" if sp.reason else ""))
-        rates = f"; rates {self.rates.to_dict()}" if self.rates is not None else ""
-        return (f"host update: CPU kernel + GPU path (staging {self.gpu.staging_bytes / GIB:.2f} GiB, "
-                f"{len(self.gpu.kept)} kept masters); " + "; ".join(parts) + rates)
-
-
-def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host_names: list[str],
-                    grads_on_host: bool, staging_bytes: float, dist=None) -> HybridHostAdamW:
-    """The host tier's optimizer for ``cfg`` (an EngineConfig): ``cpu_opt`` alone (update_path="cpu"), or with
-    the GPU path, its split forced (``gpu_path_groups`` names) or planned from measured rates ("auto").
-    ``staging_bytes``: GPU memory the path may hold (rotating buffers + kept masters)."""
-    if cfg.update_path == "cpu" or not host_names:
-        return HybridHostAdamW(cpu_opt)
-    if dist is not None:
-        raise ValueError("update_path='hybrid' is not supported with data parallel training (use 'cpu')")
-    numels = {x: store.by_name[x].numel for x in host_names}
-    chunk = staging_chunk(max(numels.values()), staging_bytes, grads_on_host)
-    if chunk == 0:
-        raise ValueError(f"update_path='hybrid': {staging_bytes / GIB:.2f} GiB of GPU staging is less than the GPU "
-                         f"path needs ({rotating_bytes(MIN_CHUNK_ELEMS, grads_on_host) / GIB:.2f} GiB): raise "
-                         f"update_staging_gib")
-    rates, replan = None, None
-    if cfg.gpu_path_groups != "auto":
-        forced = [x.strip() for x in cfg.gpu_path_groups.split(",") if x.strip()]
-        split = forced_split(host_names, forced)
-        splits = {False: split, True: split}
-    else:
-        rates = measure_rates(streams.device, cpu_opt.kernel) if streams.cuda else UpdateRates()
-        c = 4 if store.shadow is None else 2
-        order = [(x, numels[x]) for x in host_names]
-        kw = dict(stream_bytes=c, grad_bytes=0 if grads_on_host else 2, grad_up_bytes=4 if grads_on_host else 0)
-        # Speculative steps: the GPU path's prefix shrinks as the CPU's head start (the backward) grows; the
-        # longest one (no head start) bounds which groups it may ever take. Until a backward is measured,
-        # a speculative step keeps the CPU path alone (it is what ran before: never slower).
-        longest = len(plan_split(order, rates, speculative=True, backward_s=0.0, **kw).gpu)
-        splits = {False: plan_split(order, rates, **kw), True: Split([], list(host_names), reason="no backward measured yet")}
-        replan = lambda backward_s: plan_split(order, rates, speculative=True, backward_s=backward_s,  # noqa: E731
-                                               max_gpu_groups=longest, **kw)
-        splits["longest"] = Split(host_names[:longest])
-    candidates = [x for x in host_names if x in set(splits[False].gpu) | set(splits[True].gpu)
-                  | set(splits.pop("longest", Split()).gpu)]
-    kept_budget = max(0.0, staging_bytes - rotating_bytes(chunk, grads_on_host))
-    gpu = StreamedAdamW(store, cfg.optim, candidates, streams, chunk=chunk, kept_budget=kept_budget,
-                        pin=streams.cuda and cfg.pin_memory)
-    return HybridHostAdamW(cpu_opt, gpu if candidates else None, splits, rates, replan if candidates else None)

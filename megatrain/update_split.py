@@ -1,6 +1,6 @@
 """Which host-tier groups the GPU update path takes: a bandwidth model of the two update paths.
 
-The host tier's AdamW has two paths that run at the same time (megatrain/streamed_update.py):
+The host tier's AdamW has two paths that run at the same time (megatrain/host_tier.py):
 
 * **CPU**: the CPU kernel updates the group in host RAM (megatrain/host_adamw.py). Memory-bound: ``cpu_gps``
   Gparam/s alone, ``cpu_loaded_gps`` while the GPU path's copies load host memory too (H200 node: 4.20 and
@@ -85,23 +85,37 @@ def _cpu_only_s(numels: list[tuple[str, int]], rates: UpdateRates, head_start_s:
 
 def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative: bool = False,
                backward_s: float = 0.0, stream_bytes: int = 4, grad_bytes: int = 2, grad_up_bytes: int = 0,
-               max_numel: int | None = None, max_gpu_groups: int | None = None) -> Split:
+               gpu_load_bytes: int = 0, max_numel: int | None = None, max_gpu_groups: int | None = None,
+               prefetched: frozenset = frozenset()) -> Split:
     """Split ``numels`` ((group, numel) in the next forward's order) between the CPU and GPU update paths.
 
     ``stream_bytes``: per-param bytes the forward loads for a CPU-path group (4 fp32 master, 2 bf16 shadow);
     ``grad_bytes``: per-param bytes of the gradient the CPU path pulls to the host (2 bf16, 4 fp32; 0 when
     it is already there); ``grad_up_bytes``: per-param bytes of gradient the GPU path must upload (0 when
-    the gradient waits on the GPU; 4 with grad_placement="host"). ``max_numel``: groups larger than this do
+    the gradient waits on the GPU; 4 with grad_placement="host"); ``gpu_load_bytes``: per-param bytes the
+    forward still loads for a GPU-path group (0 when its updated master is kept on the GPU). ``max_numel``: groups larger than this do
     not fit the staging buffers and stay on the CPU path. ``max_gpu_groups``: a cap on the GPU path's size.
+    ``prefetched``: groups whose state went up during the backward (``prefetch_set``): on the GPU path, only
+    their download (12 B/param D2H) is left after the norm.
     ``speculative``: the CPU path started ``backward_s`` earlier (see module doc)."""
     cpu_loaded = rates.cpu_loaded_gps * GB
     h2d, d2h, gpu_rate = rates.h2d_gbs * GB, rates.d2h_gbs * GB, rates.gpu_gps * GB
+    pre = [x for x, _ in numels if x in prefetched]
+    pre_d2h = STATE_BYTES * sum(n for x, n in numels if x in prefetched) / d2h
+    if pre:  # the rest is split as usual; the prefetched groups' downloads share the D2H link
+        rest = plan_split([(x, n) for x, n in numels if x not in prefetched], rates, speculative=speculative,
+                          backward_s=backward_s, stream_bytes=stream_bytes, grad_bytes=grad_bytes,
+                          grad_up_bytes=grad_up_bytes, gpu_load_bytes=gpu_load_bytes, max_numel=max_numel,
+                          max_gpu_groups=max_gpu_groups)
+        gpu = [x for x, _ in numels if x in prefetched or x in set(rest.gpu)]
+        return Split(gpu, rest.cpu, max(rest.predicted_s, pre_d2h), _cpu_only_s(numels, rates, backward_s if speculative else 0.0),
+                     f"{len(pre)} prefetched during the backward; " + rest.reason)
     eligible = [(x, n) for x, n in numels if max_numel is None or n <= max_numel]
     head = backward_s if speculative else 0.0
     only = _cpu_only_s(numels, rates, head)
     if not eligible or max_gpu_groups == 0:
         return Split([], [x for x, _ in numels], only, only, "no group fits the staging buffers")
-    up_b, down_b = STATE_BYTES + grad_up_bytes, STATE_BYTES
+    up_b, down_b = STATE_BYTES + grad_up_bytes + gpu_load_bytes, STATE_BYTES  # (the load shares the H2D link)
 
     def gpu_time(gpu_numels: list[int]) -> float:
         # Uploads and downloads pipeline (the download of one group under the upload of the next): the
@@ -150,6 +164,22 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
         return Split([], cpu, only, only, "after the norm: the CPU path is faster for every group")
     t = max(t_cpu, t_h2d, t_d2h)
     return Split(gpu, cpu, t, only, f"after the norm: list scheduling, {len(gpu)} of {len(numels)} groups on the GPU")
+
+
+def prefetch_set(numels: list[tuple[str, int]], rates: UpdateRates, *, backward_s: float, load_bytes: int,
+                 budget_bytes: float, share: float = 0.7) -> list[str]:
+    """Groups whose master, m and v can go up during the backward (before the norm; only the update needs
+    the clip coefficient): the last groups of the forward order first (their gradients arrive first), while
+    their 12 B/param fit ``share`` of the H2D link the backward's own weight loads (``load_bytes`` in all)
+    leave free, and ``budget_bytes`` of GPU memory (12 B/param held until the norm)."""
+    spare = max(0.0, share * (backward_s * rates.h2d_gbs * GB - load_bytes))
+    out, used = [], 0.0
+    for x, n in reversed(numels):
+        if STATE_BYTES * n > min(spare, budget_bytes) - used:
+            break
+        out.append(x)
+        used += STATE_BYTES * n
+    return out[::-1]
 
 
 def forced_split(names: list[str], gpu_names: list[str]) -> Split:

@@ -65,7 +65,8 @@ def run_engine(spec, args, setting: str, update_path: str = "cpu") -> dict:
     optim = OptimConfig(lr=args.lr, max_grad_norm=args.max_grad_norm)
     cfg = EngineConfig(device=args.device, optim=optim, micro_batches=args.micro_batches, gpu_resident=setting,
                        checkpoint_interval=args.checkpoint_interval, speculate=args.speculate,
-                       gpu_margin_gib=args.gpu_margin_gib, num_slots=args.num_slots, update_path=update_path)
+                       gpu_margin_gib=args.gpu_margin_gib, num_slots=args.num_slots,
+                       update_path=update_path.split("+")[0], gpu_path_prefetch=update_path.endswith("+prefetch"))
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -159,7 +160,8 @@ def main() -> None:
     p.add_argument("--gpu-margin-gib", type=float, default=4.0)
     p.add_argument("--systems", default="native,auto,0", help="comma list of native and gpu_resident settings")
     p.add_argument("--update-paths", default="cpu", help="comma list of EngineConfig.update_path values; each engine "
-                   "system runs once per value (cpu,hybrid: the CPU kernel alone, then with the GPU update path)")
+                   "system runs once per value (cpu,hybrid: the CPU kernel alone, then with the GPU update path; "
+                   "hybrid+prefetch: with gpu_path_prefetch)")
     p.add_argument("--name", default="tiered")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -181,10 +183,10 @@ def main() -> None:
         rows.append(row)
         with open(out / f"{args.name}.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
-    print(f"\n{'system':10s} {'update':>6s} {'resident':>8s} {'s/step':>7s} {'TFLOPS':>7s} {'GPU GiB':>8s} {'host GiB':>8s} "
+    print(f"\n{'system':10s} {'update':>15s} {'resident':>8s} {'s/step':>7s} {'TFLOPS':>7s} {'GPU GiB':>8s} {'host GiB':>8s} "
           f"{'clip':>4s} {'rollb':>5s} {'exposed':>7s} status")
     for r in rows:
-        print(f"{r['system']:10s} {r.get('update_path', 'cpu'):>6s} {str(r.get('gpu_resident')):>8s} {r.get('step_time_s', float('nan')):7.3f} "
+        print(f"{r['system']:10s} {r.get('update_path', 'cpu'):>15s} {str(r.get('gpu_resident')):>8s} {r.get('step_time_s', float('nan')):7.3f} "
               f"{r.get('tflops', float('nan')):7.1f} {r.get('gpu_peak_gib', float('nan')):8.1f} "
               f"{r.get('host_peak_rss_gib', float('nan')):8.1f} {r.get('clipped_steps', '-')!s:>4s} "
               f"{r.get('rollbacks', '-')!s:>5s} {r.get('optimizer_exposed_s', float('nan')):7.3f} {r['status']} "

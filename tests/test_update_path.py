@@ -104,6 +104,32 @@ def test_staging_chunk_halves_to_fit():
     assert staging_chunk(10**9, rotating_bytes(MIN_CHUNK_ELEMS, True) - 1, True) == 0
 
 
+@pytest.mark.parametrize("auto", [False, True])
+@pytest.mark.parametrize("clip", [True, False])
+def test_parity_with_prefetch(clip, auto):
+    """gpu_path_prefetch: from the second step on, GPU-path groups' state goes up during the backward (as
+    each gradient arrives) and only the update and download run after the norm."""
+    spec = PRESETS["tiny-qwen2"]
+    optim = OPTIM if clip else NO_CLIP
+    kw = dict(gpu_path_prefetch=True, optim=optim, **(dict(gpu_path_groups="auto") if auto else {}))
+    prefetched = []
+    import megatrain.streamed_update as su
+
+    orig = su.StreamedAdamW.set_prefetch
+
+    def spy(self, names):
+        out = orig(self, names)
+        prefetched.append(out)
+        return out
+
+    su.StreamedAdamW.set_prefetch = spy
+    try:
+        assert_parity(spec.to_hf_config("eager"), hybrid_cfg(**kw), batches(spec), optim=optim)
+    finally:
+        su.StreamedAdamW.set_prefetch = orig
+    assert len(prefetched) == 1 and prefetched[0]  # decided once, after the first step; something prefetched
+
+
 def test_auto_split_uses_both_paths_on_default_rates():
     spec = PRESETS["tiny-llama"]
     engine = MegaTrain.from_config(spec.to_hf_config("eager"), hybrid_cfg(gpu_path_groups="auto"), verbose=False)
@@ -146,12 +172,13 @@ def _snapshot(engine):
 
 
 @pytest.mark.parametrize("nan_in", ["layer.1", "layer.2"])  # a GPU-path group, a CPU-path group
-@pytest.mark.parametrize("speculate", ["never", "always"])
-def test_nan_gradient_skips_step(nan_in, speculate):
+@pytest.mark.parametrize("speculate,prefetch", [("never", False), ("always", False), ("never", True)])
+def test_nan_gradient_skips_step(nan_in, speculate, prefetch):
     spec = PRESETS["tiny-llama"]
     hf = spec.to_hf_config("eager")
     data = batches(spec)
-    engine = MegaTrain.from_config(hf, hybrid_cfg(speculate=speculate, optim=NO_CLIP), verbose=False)
+    engine = MegaTrain.from_config(hf, hybrid_cfg(speculate=speculate, optim=NO_CLIP, gpu_path_prefetch=prefetch),
+                                   verbose=False)
     init = {k: v.clone() for k, v in engine.state_dict().items()}
     orig, calls = engine._grad_ready, {"n": 0}
 
@@ -192,21 +219,22 @@ def test_nan_gradient_skips_step(nan_in, speculate):
             assert float((value - ref_state[name]).norm() / ref_state[name].norm()) <= RTOL, name
 
 
-@pytest.mark.parametrize("resume_path", ["hybrid", "cpu"])
-def test_save_and_load_in_the_middle(tmp_path, resume_path):
+@pytest.mark.parametrize("resume_path,prefetch", [("hybrid", False), ("cpu", False), ("hybrid", True)])
+def test_save_and_load_in_the_middle(tmp_path, resume_path, prefetch):
     """Three steps on the hybrid path, save, load (hybrid again, or the CPU path), two more: the same
     losses as five straight steps."""
     spec = PRESETS["tiny-qwen3"]
     hf = spec.to_hf_config("eager")
     data = batches(spec)
-    engine = MegaTrain.from_config(hf, hybrid_cfg(), verbose=False)
+    engine = MegaTrain.from_config(hf, hybrid_cfg(gpu_path_prefetch=prefetch), verbose=False)
     straight = [engine.step(b).loss for b in data]
     engine.close()
-    engine = MegaTrain.from_config(hf, hybrid_cfg(), verbose=False)
+    engine = MegaTrain.from_config(hf, hybrid_cfg(gpu_path_prefetch=prefetch), verbose=False)
     resumed = [engine.step(b).loss for b in data[:3]]
     engine.save(tmp_path / "ckpt")
     engine.close()
-    engine = MegaTrain.load(tmp_path / "ckpt", hybrid_cfg(update_path=resume_path), verbose=False)
+    engine = MegaTrain.load(tmp_path / "ckpt", hybrid_cfg(update_path=resume_path, gpu_path_prefetch=prefetch),
+                            verbose=False)
     resumed += [engine.step(b).loss for b in data[3:]]
     engine.close()
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight), rtol=1e-6, atol=0)
@@ -263,3 +291,22 @@ def test_forced_split_and_config_errors():
     with pytest.raises(ValueError, match="not on the host tier"):
         MegaTrain.from_config(spec.to_hf_config("eager"), hybrid_cfg(gpu_resident="2", gpu_path_groups="layer.0"),
                               verbose=False)
+
+
+def test_prefetch_set_is_a_suffix_bounded_by_spare_link_and_memory():
+    from megatrain.update_split import prefetch_set
+
+    order = _layers()
+    names = [x for x, _ in order]
+    rates = UpdateRates()
+    loads = 4 * sum(n for _, n in order)
+    pre = prefetch_set(order, rates, backward_s=1.5, load_bytes=loads, budget_bytes=1e12)
+    assert pre and pre == names[-len(pre):]
+    spare = 0.7 * (1.5 * rates.h2d_gbs * 1e9 - loads)
+    assert 12 * sum(n for x, n in order if x in pre) <= spare
+    assert len(prefetch_set(order, rates, backward_s=3.0, load_bytes=loads, budget_bytes=1e12)) > len(pre)
+    assert len(prefetch_set(order, rates, backward_s=1.5, load_bytes=loads, budget_bytes=12 * 233_000_000 * 2)) <= 2
+    assert prefetch_set(order, rates, backward_s=0.1, load_bytes=loads, budget_bytes=1e12) == []
+    # The split puts them on the GPU path and plans the rest.
+    split = plan_split(order, rates, prefetched=frozenset(pre))
+    assert set(pre) <= set(split.gpu) and split.cpu and "prefetched" in split.reason

@@ -28,6 +28,9 @@ FORCED = "embed,layer.1,layer.3,final"  # host-tier groups on both paths
     dict(micro_batches=2, grad_placement="host"),  # gradients uploaded with the state
     dict(micro_batches=2, gpu_resident="2", gpu_path_groups="layer.3,final"),  # beside the GPU tier
     dict(micro_batches=2, update_staging_gib=0.0),  # what the plan leaves free only (kept masters or not)
+    dict(micro_batches=2, gpu_path_prefetch=True),  # state uploaded during the backward (from step 2 on)
+    dict(micro_batches=1, gpu_path_prefetch=True, gpu_path_groups="auto", optim=NO_CLIP),
+    dict(micro_batches=2, gpu_path_prefetch=True, grad_placement="host"),
 ])
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])  # untied, tied
 def test_cuda_fp32_hybrid_matches_cpu_reference(preset, overrides):
