@@ -50,7 +50,7 @@ class Monitor:
             return 0
         # Several processes (torchrun ranks) map one shared host store: RSS would count it once per rank,
         # PSS splits shared pages among them, so the sum is the node's memory.
-        many = sum(1 for p in procs if "python" in (p.name() or "")) > 1 if len(procs) > 1 else False
+        many = sum(1 for p in procs if "python" in _name(p, ps)) > 1 if len(procs) > 1 else False
         for p in procs:
             try:
                 total += p.memory_full_info().pss if many else p.memory_info().rss
@@ -127,6 +127,15 @@ class Monitor:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _name(proc, ps) -> str:
+    """A process's name, "" if it is gone (a child that exits between listing and asking: spawned
+    optimizer processes do, and an exception here would end the sampling thread)."""
+    try:
+        return proc.name() or ""
+    except ps.Error:
+        return ""
 
 
 def nvml_handle(pynvml, index: int | None = None):

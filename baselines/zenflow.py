@@ -58,7 +58,8 @@ OPTIONS = dict(
     ZERO_OPTIONS,
     optimizer="auto",  # only "auto": DeepSpeed's ZenFlowCPUAdam, built from the config's optimizer section
     zenflow=None,  # dict merged over ZENFLOW_DEFAULTS
-    pin_memory=True,  # offload_optimizer.pin_memory (False: pageable host buffers, ~12 B/param less)
+    pin_memory=True,  # offload_optimizer.pin_memory (False: pageable host buffers, ~8 B/param less)
+    fix_layout=True,  # undo DeepSpeed 0.19.8's scrambled 2-D weights under ZenFlow (fix_transposed_views)
 )
 
 EXACT_ADAMW_NOTE = ("not exact AdamW: top-k gradient columns updated on the GPU every step, the rest applied "
@@ -103,6 +104,43 @@ def make_zenflow_ds_config(optim, *, bf16: bool, zenflow: dict, pin_memory: bool
         "wall_clock_breakdown": False,
     }
     return _merge(cfg, config_overrides)
+
+
+def fix_transposed_views(zero_optimizer) -> bool:
+    """Make every 2-D parameter a correct view of ZenFlow's flat buffer again; True if it was needed.
+
+    ZenFlow flattens each 2-D parameter *transposed* into ZeRO-2's flat bf16 buffer (its
+    ``_flatten_dense_tensors``), and its gradients and fp32 masters follow that layout. DeepSpeed 0.19.8's
+    ``_update_model_bit16_weights`` (called by ``deepspeed.initialize`` and after every update) re-points
+    each parameter at its segment with ``narrow(...).view(shape)``, without transposing back: every 2-D
+    weight of an (r, c) matrix W then holds ``W.T.contiguous().view(r, c)``, a scrambled matrix (seen
+    on the CPU: step-0 loss 5.593 instead of the shared weights' 5.560 on the tiny model), and each
+    update lands on the wrong elements. This replaces that method on the optimizer instance by one that
+    views a 2-D segment as (c, r) and transposes it (what ZenFlow's ``_unflatten_dense_tensors`` does),
+    then re-points every parameter once. Only when the optimizer flattens the ZenFlow way."""
+    import types
+
+    from deepspeed.runtime.zenflow import zenflow_utils
+
+    if getattr(zero_optimizer, "flatten", None) is not zenflow_utils._flatten_dense_tensors:
+        return False
+
+    def update_model_bit16_weights(self, group_index):
+        flat_group = self.bit16_groups_flat[group_index]
+        for p, meta, offset in zip(self.round_robin_bit16_groups[group_index],
+                                   self.round_robin_bit16_meta[group_index],
+                                   self.round_robin_bit16_offsets[group_index]):
+            segment = flat_group.narrow(0, offset, meta.numel())
+            view = segment.view(meta.shape[1], meta.shape[0]).t() if meta.dim() == 2 else segment.view(meta.shape)
+            p.data = view.data
+        for param_index, param in enumerate(self.bit16_groups[group_index]):
+            new_index = self.round_robin_bit16_indices[group_index][param_index]
+            param.data = self.round_robin_bit16_groups[group_index][new_index].data
+
+    zero_optimizer._update_model_bit16_weights = types.MethodType(update_model_bit16_weights, zero_optimizer)
+    for i in range(len(zero_optimizer.bit16_groups)):
+        zero_optimizer._update_model_bit16_weights(i)
+    return True
 
 
 def host_bytes_per_param(*, overlap_step: bool = True, pin_memory: bool = True, bf16: bool = True) -> dict:
@@ -157,6 +195,7 @@ class ZenFlowSystem(DeepSpeedSystem):
     def _initialize(self, ds, ds_config: dict, choice: str, opts: dict) -> str:
         self.engine, _, _, _ = ds.initialize(model=self.module, model_parameters=list(self.module.parameters()),
                                              config=ds_config)
+        layout_fixed = bool(opts["fix_layout"]) and fix_transposed_views(self.engine.optimizer)
         inner = getattr(self.engine.optimizer, "optimizer", None)
         zf = ds_config["zero_optimization"]["zenflow"]
         bf16 = bool(ds_config["bf16"]["enabled"])
@@ -168,7 +207,7 @@ class ZenFlowSystem(DeepSpeedSystem):
                                                                  "overlap_step", "full_warm_up_rounds")}
         self._scale_wrt_gas = self.engine.gradient_accumulation_steps() >= 1  # "auto" update_interval sets it to 0
         self._zenflow_facts = dict(zenflow=zf, effective=effective, host_estimate_bytes_per_param=estimate,
-                                   notes=EXACT_ADAMW_NOTE)
+                                   notes=EXACT_ADAMW_NOTE, layout_fixed=layout_fixed)
         return type(inner).__name__ if inner is not None else type(self.engine.optimizer).__name__
 
     def _finish_build(self) -> None:
@@ -188,7 +227,8 @@ class ZenFlowSystem(DeepSpeedSystem):
             # with overlap_step the CPU update of interval k is applied at the end of interval k+1
             max_staleness_steps=(2 if zf["overlap_step"] else 1) * int(eff["update_interval"] or 1),
             host_estimate_bytes_per_param=facts["host_estimate_bytes_per_param"]["total"],
-            pin_memory=self.info["ds_config"]["zero_optimization"]["offload_optimizer"]["pin_memory"])
+            pin_memory=self.info["ds_config"]["zero_optimization"]["offload_optimizer"]["pin_memory"],
+            layout_fix=facts["layout_fixed"])
 
     def _step(self, batch, t0) -> StepResult:
         engine = self.engine

@@ -9,6 +9,7 @@ carry the system's settings in its row (ZenFlow's "not exact AdamW" facts)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -186,3 +187,47 @@ def test_importing_the_point_module_as_mp_main_does_nothing():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+# -- ZenFlow itself on the CPU (DeepSpeed's CPU accelerator, fp32): needs the cpu_adam JIT build -------
+@pytest.mark.skipif(os.environ.get("MEGATRAIN_TEST_CPU_ADAM") != "1",
+                    reason="JIT-compiles DeepSpeed's cpu_adam (~45 s on a free machine); set MEGATRAIN_TEST_CPU_ADAM=1")
+def test_zenflow_trains_on_cpu_not_exact_adamw_with_visible_staleness(init_dirs):
+    """Sequential (overlap_step false) and overlapped ZenFlow on the tiny model, 6 steps, update_interval 4:
+    * step 0 equals native's (the shared initial weights; without ``fix_layout`` DeepSpeed 0.19.8
+      scrambles every 2-D weight at initialize and step 0 differs), later steps do not (not exact AdamW);
+    * one CPU update (at step 3) and a grad norm only there;
+    * both modes agree until the CPU update is applied; at step 4 the sequential mode already sees it and
+      the overlapped one does not (staleness);
+    * the overlapped mode's optimizer process (spawned) is stopped by close(), the CPU affinity restored."""
+    from test_baselines_registry import batches, run_system
+
+    preset, data = "tiny-llama", batches("tiny-llama", 6)
+    native, *_ = run_system("native", init_dirs[preset], data, micro_batches=1)
+    affinity = os.sched_getaffinity(0)
+    runs = {}
+    for overlap in (False, True):
+        results, _, memory, info, label = run_system("zenflow", init_dirs[preset], data, micro_batches=1,
+                                                     options={"zenflow": {"overlap_step": overlap}})
+        runs[overlap] = [r.loss for r in results]
+        assert label == "zenflow" and info["optimizer"] == "ZenFlowCPUAdam"
+        assert info["settings"]["exact_adamw"] is False and "not exact AdamW" in info["notes"]
+        assert info["settings"]["layout_fix"] is True
+        assert info["settings"]["select_interval_effective"] == 0 and info["settings"]["overlap_step"] is overlap
+        assert memory.extra["zenflow_cpu_updates"] == 1
+        norms = [r.grad_norm for r in results]
+        assert [n == n for n in norms] == [False, False, False, True, False, False]  # NaN off the boundary
+        assert os.sched_getaffinity(0) == affinity
+    assert runs[False][0] == pytest.approx(native[0].loss, rel=1e-6)
+    assert runs[True][0] == pytest.approx(native[0].loss, rel=1e-6)
+    assert abs(runs[False][2] - native[2].loss) > 1e-4  # not AdamW: most columns wait for the CPU update
+    assert runs[True][:4] == pytest.approx(runs[False][:4], rel=1e-6)
+    assert abs(runs[True][4] - runs[False][4]) > 1e-5  # overlapped: step 3's CPU update not yet applied
+    import multiprocessing
+
+    assert not [p for p in multiprocessing.active_children() if p.is_alive()]
+    # DeepSpeed's own layout (fix_layout false): the weights it trains are not the shared ones
+    raw, _, _, info, _ = run_system("zenflow", init_dirs[preset], data[:1], micro_batches=1,
+                                    options={"zenflow": {"overlap_step": False}, "fix_layout": False})
+    assert info["settings"]["layout_fix"] is False
+    assert abs(raw[0].loss - native[0].loss) > 1e-3
