@@ -28,6 +28,7 @@ SUB = 1 << 20  # fallback: elements per fused call, so the widened fp32 gradient
 BLOCK = 4096  # elements per block: the unit of deferral (kBlock in adamw.cpp); SUB is a multiple of it
 FRAGILE = 64.0  # v_new > FRAGILE * v_old: the undo could not restore v closely (kFragile in adamw.cpp)
 SAVE_FRACTION = 0.01  # at most this fraction of a chunk's elements saved by a speculative update (12 B each)
+SAVE_MIN = BLOCK  # ... or this many, for small chunks
 _EXT = None
 _TRIED = False
 
@@ -83,7 +84,7 @@ class HostKernel:
         if speculative:
             assert coef == 1.0, "a speculative update uses coefficient 1"
             flags = torch.zeros(-(-p.numel() // BLOCK), dtype=torch.uint8)
-            cap = max(BLOCK, int(p.numel() * SAVE_FRACTION))
+            cap = max(SAVE_MIN, int(p.numel() * SAVE_FRACTION))
             if self.ext is not None:
                 count, idx, saved = self.ext.adamw_speculate(p, g, m, v, flags, cap, *self._args(step_t, lr))
             else:

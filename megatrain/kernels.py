@@ -74,11 +74,11 @@ def cflags() -> list[str]:
     return ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", *isa_flags(), *extra]
 
 
-def build_id(flags: list[str] | None = None) -> str:
+def build_id(flags: list[str] | None = None, source: bytes | None = None) -> str:
     """Hash of everything the compiled file depends on: source, flags, torch version, Python ABI, CPU arch."""
     import torch
 
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256(SOURCE.read_bytes() if source is None else source)
     for part in (*(flags if flags is not None else cflags()), torch.__version__, sys.implementation.cache_tag,
                  platform.machine()):
         h.update(b"\0" + str(part).encode())
@@ -86,7 +86,11 @@ def build_id(flags: list[str] | None = None) -> str:
 
 
 def name() -> str:
-    return f"{BASE}_{build_id()}"
+    return kernel_name()
+
+
+def kernel_name(source: bytes | None = None) -> str:
+    return f"{BASE}_{build_id(source=source)}"
 
 
 def cache_dir() -> Path:
@@ -123,7 +127,11 @@ def _compile(dest: Path, timeout: float) -> None:
         raise BuildError(f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH")
     tmp = Path(tempfile.mkdtemp(prefix=f".build-{dest.stem}-", dir=dest.parent))
     try:
-        cmd = [sys.executable, "-c", _CHILD, dest.stem, str(SOURCE), str(tmp), *cflags()]
+        source = tmp / SOURCE.name
+        source.write_bytes(SOURCE.read_bytes())
+        if kernel_name(source.read_bytes()) != dest.stem:  # edited since the name was made: not this hash
+            raise BuildError(f"{SOURCE} changed during the build; run it again")
+        cmd = [sys.executable, "-c", _CHILD, dest.stem, str(source), str(tmp), *cflags()]
         # Its own session, so that a timeout ends ninja and the compilers with it (their process group).
         child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                  start_new_session=True)
@@ -220,16 +228,17 @@ def fallback_warning(exc: BaseException) -> str:
     return f"host AdamW extension unavailable ({why}); using torch's fused AdamW"
 
 
-def build_ahead(verbose: bool = True) -> Path | None:
+def build_ahead(verbose: bool = True, retry: bool = False) -> Path | None:
     """Build (or find) the host AdamW extension now, before anything is timed; returns its path, or None
     when it cannot be built here (after one warning line: the engine then uses torch's fused AdamW) or
-    when ``MEGATRAIN_HOST_ADAMW=torch`` asks for torch's kernel. Retries a build that failed earlier."""
+    when ``MEGATRAIN_HOST_ADAMW=torch`` asks for torch's kernel. A build that failed earlier is retried only
+    with ``retry`` (the command line does; a runner need not spend the timeout again on every sweep)."""
     if os.environ.get("MEGATRAIN_HOST_ADAMW", "auto") == "torch":
         return None
     t0 = time.monotonic()
     existed = so_path().exists()
     try:
-        path = build(force=True)
+        path = build(force=retry)
     except BuildError as exc:
         warnings.warn(fallback_warning(exc), RuntimeWarning, stacklevel=2)
         return None
@@ -242,7 +251,7 @@ def build_ahead(verbose: bool = True) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["build"]:
-        return 0 if build_ahead() is not None else 1
+        return 0 if build_ahead(retry=True) is not None else 1
     if argv[:1] == ["status"]:
         path = so_path()
         failed = path.with_suffix(".failed")

@@ -24,7 +24,6 @@
 #include <cstring>
 #include <omp.h>
 
-#include <atomic>
 #include <tuple>
 #include <vector>
 
@@ -90,17 +89,21 @@ inline void block_step(float* __restrict p, float* __restrict m, float* __restri
 }
 
 // Whether a coefficient-1 update of this element would lose v_old beyond what the undo can restore.
-inline bool fragile(float m_old, float v_old, float g, const Consts& c) {
-  (void)m_old;
-  const float vi = v_old * c.b2 + c.w2 * g * g;
-  return vi > kFragile * v_old;  // v_old == 0 with g != 0 too: exact zeros come back as zeros
+inline bool fragile(float v_old, float g, const Consts& c) {
+  const float vi = v_old * c.b2 + c.w2 * g * g;  // as block_step computes it (coefficient 1)
+  return vi > kFragile * v_old;                   // v_old == 0 with g != 0 too: exact zeros come back as zeros
 }
 
-inline int64_t block_fragile(const float* __restrict m, const float* __restrict v, const float* __restrict g,
+// Marks the fragile elements of a block in ``mask`` (one byte each, vectorised); returns how many.
+inline int64_t block_fragile(const float* __restrict v, const float* __restrict g, uint8_t* __restrict mask,
                              int64_t len, const Consts& c) {
   int64_t count = 0;
 #pragma omp simd reduction(+ : count)
-  for (int64_t i = 0; i < len; ++i) count += fragile(m[i], v[i], g[i], c) ? 1 : 0;
+  for (int64_t i = 0; i < len; ++i) {
+    const uint8_t f = fragile(v[i], g[i], c) ? 1 : 0;
+    mask[i] = f;
+    count += f;
+  }
   return count;
 }
 
@@ -109,18 +112,24 @@ inline int64_t block_fragile(const float* __restrict m, const float* __restrict 
 inline void block_undo(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict g,
                        int64_t len, const Consts& c) {
   const double ss = c.step_size, bc2s = c.bc2_sqrt, eps = c.eps, decay = c.decay, w1 = c.w1, b2 = c.b2,
-               w2 = c.w2;
+               w2 = c.w2, b1 = c.b1d;
+  if (c.first) {
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) {
+      const double pd = p[i], md = m[i], vd = v[i];
+      p[i] = (float)((pd + ss * md / (std::sqrt(vd) / bc2s + eps)) / decay);
+      m[i] = 0.0f;
+      v[i] = 0.0f;
+    }
+    return;
+  }
+#pragma omp simd
   for (int64_t i = 0; i < len; ++i) {
     const double gi = g[i], pd = p[i], md = m[i], vd = v[i];
-    const double po = (pd + ss * md / (std::sqrt(vd) / bc2s + eps)) / decay;
-    double mo = 0.0, vo = 0.0;
-    if (!c.first) {
-      mo = (md - w1 * gi) / c.b1d;
-      vo = std::max(0.0, (vd - w2 * gi * gi) / b2);
-    }
-    p[i] = (float)po;
-    m[i] = (float)mo;
-    v[i] = (float)vo;
+    p[i] = (float)((pd + ss * md / (std::sqrt(vd) / bc2s + eps)) / decay);
+    m[i] = (float)((md - w1 * gi) / b1);
+    const float vo = (float)((vd - w2 * gi * gi) / b2);
+    v[i] = vo > 0.0f ? vo : 0.0f;  // (a clamp in float: GCC does not vectorise the loop with one in double)
   }
 }
 
@@ -183,34 +192,40 @@ std::tuple<int64_t, torch::Tensor, torch::Tensor> adamw_speculate(
   const int nt = nthreads(threads);
   std::vector<std::vector<int32_t>> idx(nt);
   std::vector<std::vector<float>> saved(nt);
-  std::atomic<int64_t> used{0};
   int64_t count = 0;
 #pragma omp parallel num_threads(nt) reduction(+ : count)
   {
-    auto& I = idx[omp_get_thread_num()];
-    auto& S = saved[omp_get_thread_num()];
-    // static: thread k gets the k-th contiguous range of blocks, so the lists joined in thread order ascend
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < nb; ++b) {
+    // Thread k takes the k-th contiguous range of blocks and its share of ``cap``, first come first served in
+    // block order: deterministic for a thread count (no race for the budget), and the lists joined in thread
+    // order ascend.
+    const int k = omp_get_thread_num(), nk = omp_get_num_threads();
+    const int64_t b0 = nb * k / nk, b1 = nb * (k + 1) / nk;
+    int64_t room = nb ? cap * (b1 - b0) / nb : 0;
+    auto& I = idx[k];
+    auto& S = saved[k];
+    float gbuf[kBlock];
+    uint8_t mask[kBlock];
+    for (int64_t b = b0; b < b1; ++b) {
       const int64_t lo = b * kBlock, len = std::min(kBlock, t.n - lo);
-      float gbuf[kBlock];
       grad.load(gbuf, lo, len);
       float *P = t.P + lo, *M = t.M + lo, *V = t.V + lo;
-      const int64_t nf = c.first ? 0 : block_fragile(M, V, gbuf, len, c);
+      const int64_t nf = c.first ? 0 : block_fragile(V, gbuf, mask, len, c);
+      if (nf > room) {
+        flags[b] = 1;
+        ++count;
+        continue;
+      }
       if (nf > 0) {
-        int64_t cur = used.load();
-        bool fits = cur + nf <= cap;
-        while (fits && !used.compare_exchange_weak(cur, cur + nf)) fits = cur + nf <= cap;
-        if (!fits) {
-          flags[b] = 1;
-          ++count;
-          continue;
-        }
-        for (int64_t i = 0; i < len; ++i) {
-          if (fragile(M[i], V[i], gbuf[i], c)) {
-            I.push_back((int32_t)(lo + i));
-            S.push_back(M[i]);
-            S.push_back(V[i]);
+        room -= nf;
+        for (int64_t i = 0; i < len; i += 8) {  // the mask, 8 bytes at a time: most words are zero
+          uint64_t word = 0;
+          std::memcpy(&word, mask + i, std::min<int64_t>(8, len - i));
+          for (int64_t j = i; word != 0 && j < std::min<int64_t>(i + 8, len); ++j, word >>= 8) {
+            if (word & 0xff) {
+              I.push_back((int32_t)(lo + j));
+              S.push_back(M[j]);
+              S.push_back(V[j]);
+            }
           }
         }
       }
