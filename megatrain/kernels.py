@@ -75,12 +75,12 @@ def cflags() -> list[str]:
 
 
 def build_id(flags: list[str] | None = None, source: bytes | None = None) -> str:
-    """Hash of everything the compiled file depends on: source, flags, torch version, Python ABI, CPU arch."""
+    """Hash of what the compiled file depends on: source, flags, torch version, Python ABI, CPU arch, compiler."""
     import torch
 
     h = hashlib.sha256(SOURCE.read_bytes() if source is None else source)
     for part in (*(flags if flags is not None else cflags()), torch.__version__, sys.implementation.cache_tag,
-                 platform.machine()):
+                 platform.machine(), os.environ.get("CXX", "c++")):
         h.update(b"\0" + str(part).encode())
     return h.hexdigest()[:16]
 
@@ -144,7 +144,8 @@ def _compile(dest: Path, timeout: float) -> None:
         built = tmp / f"{dest.stem}.so"
         if child.returncode != 0 or not built.exists():
             lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
-            why = next((ln for ln in lines if "error" in ln.lower()), lines[-1] if lines else "no output")
+            why = next((ln for ln in lines if "error:" in ln.lower()),
+                       next((ln for ln in lines if "error" in ln.lower()), lines[-1] if lines else "no output"))
             raise BuildError(f"the compile failed (exit {child.returncode}): {why[:300]}")
         os.replace(built, dest)  # atomic: readers see no file or the whole file
     finally:
