@@ -1,29 +1,41 @@
-"""The host AdamW kernel: a one-pass C++/OpenMP extension when it builds here, else torch's fused kernel.
+"""The host AdamW kernel: a one-pass C++/OpenMP extension when it is built here, else torch's fused kernel.
 
 The extension (megatrain/csrc/adamw.cpp) reads p, m, v and the bf16 gradient once and writes p, m, v
-once: 26 B/param, no widened copy of the gradient. It is compiled on first use on each machine with
-torch.utils.cpp_extension (a C++ compiler with OpenMP is needed; ~30-60 s, cached under
-~/.cache/torch_extensions). ``MEGATRAIN_HOST_ADAMW=torch`` forces the pure-torch fallback, ``=cpp``
-makes a failed build an error instead of a fallback.
+once: 26 B/param, no widened copy of the gradient. megatrain/kernels.py builds it (once per source + flags
+hash, in a child process, bounded in time; ``python -m megatrain.kernels build`` builds ahead) and loads it;
+when it cannot be built, one warning line and torch's fused kernel. ``MEGATRAIN_HOST_ADAMW=torch`` forces the
+pure-torch kernel, ``=cpp`` makes a missing extension an error instead of a fallback.
+
+Speculative updates (coefficient 1 before the clip coefficient is known, megatrain/host_adamw.py) go
+through ``step(..., speculative=True)``, then ``undo`` (rollback, optionally redone with the true
+coefficient) or ``kept``/``commit`` (it stands). A speculative update saves the exact m and v of the
+elements whose second moment the undo could not restore closely (see adamw.cpp), at most 1 % of a chunk's
+elements (12 B each); a block whose fragile elements do not fit is left untouched ("deferred") and updated by
+``undo`` or ``commit`` from its untouched state. Both kernels implement the same rule.
 """
 from __future__ import annotations
 
 import os
 import warnings
-from pathlib import Path
 
 import torch
 
+from . import kernels
 from .optim import adamw_, adamw_undo_
 from .system import OptimConfig
 
 SUB = 1 << 20  # fallback: elements per fused call, so the widened fp32 gradient (4 MiB) stays in cache
+BLOCK = 4096  # elements per block: the unit of deferral (kBlock in adamw.cpp); SUB is a multiple of it
+FRAGILE = 64.0  # v_new > FRAGILE * v_old: the undo could not restore v closely (kFragile in adamw.cpp)
+SAVE_FRACTION = 0.01  # at most this fraction of a chunk's elements saved by a speculative update (12 B each)
+SAVE_MIN = BLOCK  # ... or this many, for small chunks
 _EXT = None
 _TRIED = False
 
 
 def extension():
-    """The compiled module, or None when it cannot be built here (and the choice allows a fallback)."""
+    """The compiled module, or None when it cannot be built here (and the choice allows a fallback). Loads a
+    prebuilt file without compiling; otherwise builds it (child process, bounded) once per process."""
     global _EXT, _TRIED
     choice = os.environ.get("MEGATRAIN_HOST_ADAMW", "auto")
     if choice == "torch":
@@ -31,16 +43,14 @@ def extension():
     if not _TRIED:
         _TRIED = True
         try:
-            from torch.utils.cpp_extension import load
-
-            src = Path(__file__).with_name("csrc") / "adamw.cpp"
-            _EXT = load(name="megatrain_cpu_adamw", sources=[str(src)], verbose=False,
-                        extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"], extra_ldflags=["-fopenmp"])
-        except Exception as exc:  # no compiler, no OpenMP, ...
+            _EXT = kernels.load_built()
+            if _EXT is None:
+                kernels.build()
+                _EXT = kernels.load_built()
+        except Exception as exc:  # no compiler, no OpenMP, a timeout, an unloadable file, ...
             if choice == "cpp":
                 raise
-            warnings.warn(f"host AdamW extension not built ({type(exc).__name__}: {exc}); using torch's fused "
-                          f"kernel", RuntimeWarning)
+            warnings.warn(kernels.fallback_warning(exc), RuntimeWarning, stacklevel=2)
     if _EXT is None and choice == "cpp":
         raise RuntimeError("MEGATRAIN_HOST_ADAMW=cpp but the extension is not available")
     return _EXT
@@ -58,23 +68,36 @@ class HostKernel:
         self.ext = extension()
         self.threads = threads or max(1, torch.get_num_threads())
         self._g32 = None if self.ext is not None else torch.empty(SUB, dtype=torch.float32)
+        # Speculative chunks that deferred blocks or saved elements: (address, numel) of the chunk's p ->
+        # (one uint8 per block or None, saved indices int32, saved m and v [k, 2]). Worker thread only.
+        self._pending: dict[tuple[int, int], tuple] = {}
+        self.deferred_blocks = 0  # cumulative counts, for tests and stats
+        self.saved_elements = 0
 
-    def undo(self, p, g, m, v, step_t: torch.Tensor, lr: float, redo_coef: float | None) -> None:
-        """Undo a coefficient-1 update (step count ``step_t`` after its increment); then, unless
-        ``redo_coef`` is None, apply the update again with that clip coefficient."""
+    def _args(self, step_t, lr):
         cfg = self.cfg
-        if self.ext is not None:  # one pass over the chunk (float64 arithmetic in registers)
-            self.ext.adamw_undo(p, g, m, v, -1.0 if redo_coef is None else redo_coef, lr, cfg.betas[0],
-                                cfg.betas[1], cfg.eps, cfg.weight_decay, float(step_t), self.threads)
+        return lr, cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay, float(step_t), self.threads
+
+    def step(self, p, g, m, v, step_t: torch.Tensor, lr: float, coef: float, speculative: bool = False) -> None:
+        """Update with clip coefficient ``coef``; ``speculative`` (coefficient 1 only): to be resolved by
+        ``undo`` or ``commit`` once the true coefficient is known."""
+        if speculative:
+            assert coef == 1.0, "a speculative update uses coefficient 1"
+            flags = torch.zeros(-(-p.numel() // BLOCK), dtype=torch.uint8)
+            cap = max(SAVE_MIN, int(p.numel() * SAVE_FRACTION))
+            if self.ext is not None:
+                count, idx, saved = self.ext.adamw_speculate(p, g, m, v, flags, cap, *self._args(step_t, lr))
+            else:
+                count, idx, saved = self._fallback_speculate(p, g, m, v, flags, cap, step_t, lr)
+            key = (p.data_ptr(), p.numel())
+            self._pending.pop(key, None)  # (an entry left by a failed step would be stale)
+            if count or idx.numel():
+                self._pending[key] = (flags if count else None, idx, saved)
+                self.deferred_blocks += int(count)
+                self.saved_elements += idx.numel()
             return
-        for s in range(0, g.numel(), SUB):  # cache-sized pieces: the float64 temporaries stay small
-            adamw_undo_(p[s:s + SUB], g[s:s + SUB], m[s:s + SUB], v[s:s + SUB], float(step_t), lr, cfg)
-        if redo_coef is not None:
-            self.step(p, g, m, v, step_t, lr, redo_coef)
-
-    def step(self, p, g, m, v, step_t: torch.Tensor, lr: float, coef: float) -> None:
-        cfg = self.cfg
         if self.ext is not None:
+            cfg = self.cfg
             self.ext.adamw_step(p, g, m, v, coef, lr, cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay,
                                 float(step_t), self.threads)
             return
@@ -85,4 +108,102 @@ class HostKernel:
             # the fused kernel divides the gradient by grad_scale in place (the caller's must stay intact).
             if gs.dtype != torch.float32 or scale is not None:
                 gs = self._g32[:gs.numel()].copy_(gs)
-            adamw_(p[s:s + SUB], gs, m[s:s + SUB], v[s:s + SUB], step_t, lr, cfg, scale)
+            adamw_(p[s:s + SUB], gs, m[s:s + SUB], v[s:s + SUB], step_t, lr, self.cfg, scale)
+
+    def undo(self, p, g, m, v, step_t: torch.Tensor, lr: float, redo_coef: float | None) -> None:
+        """Undo a speculative update (step count ``step_t`` after its increment); then, unless ``redo_coef``
+        is None, apply the update with that clip coefficient instead. One pass over the chunk."""
+        flags, idx, saved = self._pending.pop((p.data_ptr(), p.numel()), (None, _EMPTY_I, _EMPTY_F))
+        if self.ext is not None:
+            self.ext.adamw_resolve(p, g, m, v, _EMPTY_U8 if flags is None else flags, idx, saved,
+                                   -1.0 if redo_coef is None else redo_coef, True, *self._args(step_t, lr))
+            return
+        for s in range(0, g.numel(), SUB):  # cache-sized pieces: the float64 temporaries stay small
+            sl = slice(s, s + SUB)
+            keep = _save_blocks((p[sl], m[sl], v[sl]), _blocks_in(flags, s, g[sl].numel()))
+            adamw_undo_(p[sl], g[sl], m[sl], v[sl], float(step_t), lr, self.cfg)
+            _restore_blocks(keep)  # never updated: nothing to undo
+        if idx.numel():  # fragile elements: their exact moments
+            i = idx.long()
+            m.index_copy_(0, i, saved[:, 0].contiguous())
+            v.index_copy_(0, i, saved[:, 1].contiguous())
+        if redo_coef is not None:
+            self.step(p, g, m, v, step_t, lr, redo_coef)
+
+    def kept(self, p: torch.Tensor) -> bool:
+        """The speculative updates of the chunks inside ``p`` stand (coefficient 1): forget what only an undo
+        needed. True when some chunk deferred blocks: ``commit`` each chunk then."""
+        lo = p.data_ptr()
+        hi = lo + p.numel() * p.element_size()
+        inside = [key for key in self._pending if lo <= key[0] < hi]
+        deferred = False
+        for key in inside:
+            if self._pending[key][0] is None:
+                del self._pending[key]
+            else:
+                deferred = True
+        return deferred
+
+    def commit(self, p, g, m, v, step_t: torch.Tensor, lr: float) -> None:
+        """A speculative update stands (coefficient 1): apply the blocks it deferred."""
+        flags = self._pending.pop((p.data_ptr(), p.numel()), (None,))[0]
+        if flags is None:
+            return
+        if self.ext is not None:
+            self.ext.adamw_resolve(p, g, m, v, flags, _EMPTY_I, _EMPTY_F, 1.0, False, *self._args(step_t, lr))
+            return
+        for b in flags.nonzero().flatten().tolist():
+            sl = slice(b * BLOCK, (b + 1) * BLOCK)
+            self.step(p[sl], g[sl], m[sl], v[sl], step_t, lr, 1.0)
+
+    def _fallback_speculate(self, p, g, m, v, flags, cap: int, step_t, lr):
+        """torch's kernel with the extension's rule: fragile elements saved while they fit under ``cap``, the
+        blocks of a piece whose fragile elements do not fit saved whole and put back after the fused call
+        (which cannot skip them)."""
+        b2 = self.cfg.betas[1]
+        idx, saved, used = [], [], 0
+        for s in range(0, g.numel(), SUB):
+            sl = slice(s, s + SUB)
+            gs = self._g32[:g[sl].numel()].copy_(g[sl])
+            ms, vs = m[sl], v[sl]
+            if float(step_t) > 1:
+                fragile = vs * b2 + (1 - b2) * gs * gs > FRAGILE * vs
+            else:  # the moments are zeros: the undo restores them exactly
+                fragile = torch.zeros_like(vs, dtype=torch.bool)
+            n_frag = int(fragile.sum())
+            keep = []
+            if n_frag and used + n_frag <= cap:
+                i = fragile.nonzero().flatten()
+                idx.append((i + s).to(torch.int32))
+                saved.append(torch.stack([ms[i], vs[i]], 1))
+                used += n_frag
+            elif n_frag:
+                per_block = torch.nn.functional.pad(fragile, (0, -fragile.numel() % BLOCK)).view(-1, BLOCK).any(1)
+                flags[s // BLOCK:s // BLOCK + per_block.numel()] = per_block.to(torch.uint8)
+                keep = _save_blocks((p[sl], ms, vs), per_block.nonzero().flatten().tolist())
+            adamw_(p[sl], gs, ms, vs, step_t, lr, self.cfg)
+            _restore_blocks(keep)
+        return (int(flags.sum()), torch.cat(idx) if idx else _EMPTY_I,
+                torch.cat(saved) if saved else _EMPTY_F)
+
+
+_EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
+_EMPTY_I = torch.empty(0, dtype=torch.int32)
+_EMPTY_F = torch.empty(0, 2, dtype=torch.float32)
+
+
+def _blocks_in(flags, start: int, n: int) -> list[int]:
+    """Indices (relative to ``start``, a multiple of BLOCK) of the deferred blocks among n elements."""
+    if flags is None:
+        return []
+    b0 = start // BLOCK
+    return (flags[b0:b0 + -(-n // BLOCK)].nonzero().flatten()).tolist()
+
+
+def _save_blocks(tensors, blocks: list[int]):
+    return [(t[b * BLOCK:(b + 1) * BLOCK], t[b * BLOCK:(b + 1) * BLOCK].clone()) for b in blocks for t in tensors]
+
+
+def _restore_blocks(saved) -> None:
+    for view, old in saved:
+        view.copy_(old)

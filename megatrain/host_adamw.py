@@ -144,7 +144,8 @@ class HostAdamW:
         if not math.isfinite(self.grad_stream.scalar(sqnorm, ready)):
             st.declined.add(name)  # never applied: a NaN update could not be undone
             return
-        self._apply(name, flat, ready, self.cfg.lr_at(st.step), coef=1.0, undo=False, new_step=True)
+        self._apply(name, flat, ready, self.cfg.lr_at(st.step), coef=1.0, undo=False, new_step=True,
+                    speculative=True)
         st.early.add(name)
 
     def _finish(self, st: _StepState, coef: float | None) -> None:
@@ -161,6 +162,8 @@ class HostAdamW:
             elif name in st.early:
                 if coef != 1.0:  # undo the coefficient-1 update and redo it clipped, in one pass
                     self._apply(name, flat, ready, lr, coef=coef, undo=True, new_step=False)
+                elif self.kernel.kept(self.store.master[name]):  # it stands; blocks it deferred: now
+                    self._apply(name, flat, ready, lr, coef=coef, undo=False, new_step=False, commit=True)
             else:
                 self._apply(name, flat, ready, lr, coef=coef, undo=False, new_step=True)
             del flat  # every copy from it has completed: the GPU gradient can be freed
@@ -174,9 +177,12 @@ class HostAdamW:
         """The elements of ``name`` this process updates (all of them; data parallel splits them)."""
         return 0, self.store.by_name[name].numel
 
-    def _apply(self, name: str, flat, ready, lr: float, coef: float | None, undo: bool, new_step: bool) -> None:
+    def _apply(self, name: str, flat, ready, lr: float, coef: float | None, undo: bool, new_step: bool,
+               speculative: bool = False, commit: bool = False) -> None:
         """Stream ``name``'s gradient through the slabs and, per chunk: optionally undo the coefficient-1
-        update, then (unless ``coef`` is None) apply the update with ``coef``."""
+        update, then (unless ``coef`` is None) apply the update with ``coef``. ``speculative``: a
+        coefficient-1 update to be resolved in ``_finish`` (the kernel keeps what an exact undo needs);
+        ``commit``: it stands, apply the blocks it deferred (megatrain/cpu_adamw.py)."""
         st = self.store
         if new_step:
             st.steps[name].add_(1)  # the kernels expect the already-incremented count
@@ -187,6 +193,8 @@ class HostAdamW:
             b = a + g.numel()
             if undo:  # rollback: undo in float64, redo with the true coefficient, in one pass
                 self.kernel.undo(p[a:b], g, m[a:b], v[a:b], st.steps[name], lr, coef)
+            elif commit:
+                self.kernel.commit(p[a:b], g, m[a:b], v[a:b], st.steps[name], lr)
             elif coef is not None:
-                self.kernel.step(p[a:b], g, m[a:b], v[a:b], st.steps[name], lr, coef)
+                self.kernel.step(p[a:b], g, m[a:b], v[a:b], st.steps[name], lr, coef, speculative=speculative)
         st.refresh_shadow(name, lo, hi)

@@ -1,126 +1,300 @@
 // One-pass host AdamW: reads p, m, v (fp32) and the gradient (bf16 or fp32) once, writes p, m, v once
-// (26 B/param with a bf16 gradient), multithreaded with OpenMP. The arithmetic follows torch.optim.AdamW
-// (decoupled decay, lerp for m, bias corrections, eps added after the sqrt), in fp32.
+// (26 B/param with a bf16 gradient), multithreaded with OpenMP, in blocks of 4096 elements that stay in cache.
+//
+// Arithmetic: torch's fused CPU AdamW (aten/src/ATen/native/cpu/FusedAdamKernel.cpp), operation by operation:
+// constants computed in double and rounded once to float; p *= 1 - lr*wd; m = fma(1-b1, g - m, m) (torch's
+// lerp for a weight < 0.5); v = v*b2 + (1-b2)*g*g; denom = sqrt(v)/sqrt(bc2) + eps; p -= step_size*m/denom.
+// Built with -ffp-contract=off (megatrain/kernels.py) so that nothing else is fused: every operation is
+// IEEE-rounded as written, and the result is the same bits on every machine, whatever its vector width.
+//
+// Speculation (megatrain/host_adamw.py): an update applied before the clip coefficient is known must be
+// undoable. p and m undo to within an ulp or so; v does not where the new gradient dominates it: v_new =
+// b2*v_old + (1-b2)*g^2 keeps only the bits of v_old above ulp(v_new), the rest is gone. An element whose
+// v_old is 1/1000 of v_new comes back ~1e-4 wrong, and its later steps, scaled by 1/sqrt(v), carry that on
+// (embedding rows that reappear, a loss spike, the first steps of training). So a speculative update saves
+// the exact m and v of every such "fragile" element (v_new > 64 v_old, v_old == 0 included) in a side list
+// before it overwrites them, and the undo puts them back; every other element has v_old >= v_new/64 and
+// its undo restores v to ~2^-17 relative, p and m to ~an ulp. The list is capped (a fraction of the
+// chunk, set by the caller); a block whose fragile elements do not fit is left untouched and flagged
+// "deferred", to be updated from its untouched state once the coefficient is known.
 #include <torch/extension.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <omp.h>
 
-template <typename LoadG>
-static void adamw_loop(float* __restrict p, float* __restrict m, float* __restrict v, int64_t n, LoadG load_g,
-                       float coef, double lr_d, double b1_d, double b2_d, float eps, double wd, double step,
-                       int threads) {
-  // Constants in double, then rounded once (as torch's fused kernel does), so that the float64 undo in
-  // megatrain/optim.py inverts exactly these numbers.
-  const float b2 = (float)b2_d;
-  const float w1 = (float)(1.0 - b1_d), w2 = (float)(1.0 - b2_d);
-  const float step_size = (float)(lr_d / (1.0 - std::pow(b1_d, step)));
-  const float bc2_sqrt = (float)std::sqrt(1.0 - std::pow(b2_d, step));
-  const float decay = (float)(1.0 - lr_d * wd);
-  // Blocks of 4096 elements per thread iteration; the inner loop is plain and vectorises (no calls).
-  const int64_t block = 4096;
-  const int64_t nblocks = (n + block - 1) / block;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const int64_t lo = b * block, hi = lo + block < n ? lo + block : n;
-    float gbuf[block];
-    load_g(gbuf, lo, hi);
-    const int64_t len = hi - lo;
-    float* __restrict pp = p + lo;
-    float* __restrict mm = m + lo;
-    float* __restrict vv = v + lo;
-#pragma omp simd
-    for (int64_t i = 0; i < len; ++i) {
-      const float g = gbuf[i] * coef;
-      const float mi = mm[i] + w1 * (g - mm[i]);
-      const float vi = vv[i] * b2 + w2 * g * g;
-      const float denom = std::sqrt(vi) / bc2_sqrt + eps;
-      pp[i] = pp[i] * decay - step_size * mi / denom;
-      mm[i] = mi;
-      vv[i] = vi;
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 4096;       // elements per block: the unit of work and of deferral
+constexpr float kFragile = 64.0f;      // v_new > kFragile * v_old: the undo could not restore v closely
+
+struct Consts {
+  // float: exactly the numbers the update uses (as torch's fused kernel rounds them)
+  float w1, b2, w2, step_size, bc2_sqrt, decay, eps;
+  double b1d;  // the undo's divisor for m (b1 itself; m's update is a lerp with weight w1 = 1 - b1)
+  bool first;  // step count 1: the moments were zeros before this update
+
+  Consts(double lr, double b1, double b2_, double eps_, double wd, double step) {
+    w1 = (float)(1.0 - b1);
+    b2 = (float)b2_;
+    w2 = (float)(1.0 - b2_);
+    step_size = (float)(lr / (1.0 - std::pow(b1, step)));
+    bc2_sqrt = (float)std::sqrt(1.0 - std::pow(b2_, step));
+    decay = (float)(1.0 - lr * wd);
+    eps = (float)eps_;
+    b1d = 1.0 - (double)w1;
+    first = step <= 1.0;
+  }
+};
+
+// The gradient of one block as fp32 (bf16 -> fp32 is exact: the high half of the bits), times nothing.
+struct Grad {
+  const uint16_t* g16 = nullptr;
+  const float* g32 = nullptr;
+  explicit Grad(const torch::Tensor& g) {
+    if (g.scalar_type() == torch::kBFloat16) {
+      g16 = reinterpret_cast<const uint16_t*>(g.data_ptr());
+    } else {
+      TORCH_CHECK(g.scalar_type() == torch::kFloat, "gradient must be bf16 or fp32");
+      g32 = g.data_ptr<float>();
     }
   }
+  void load(float* out, int64_t lo, int64_t len) const {
+    if (g16 != nullptr) {
+      uint32_t* o = reinterpret_cast<uint32_t*>(out);
+#pragma omp simd
+      for (int64_t i = 0; i < len; ++i) o[i] = ((uint32_t)g16[lo + i]) << 16;
+    } else {
+      std::memcpy(out, g32 + lo, len * sizeof(float));
+    }
+  }
+};
+
+inline void block_step(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict g,
+                       int64_t len, float coef, const Consts& c) {
+#pragma omp simd
+  for (int64_t i = 0; i < len; ++i) {
+    const float gi = g[i] * coef;
+    const float mi = std::fma(c.w1, gi - m[i], m[i]);
+    const float vi = v[i] * c.b2 + c.w2 * gi * gi;
+    const float denom = std::sqrt(vi) / c.bc2_sqrt + c.eps;
+    p[i] = p[i] * c.decay - c.step_size * mi / denom;
+    m[i] = mi;
+    v[i] = vi;
+  }
 }
+
+// Whether a coefficient-1 update of this element would lose v_old beyond what the undo can restore.
+inline bool fragile(float v_old, float g, const Consts& c) {
+  const float vi = v_old * c.b2 + c.w2 * g * g;  // as block_step computes it (coefficient 1)
+  return vi > kFragile * v_old;                   // v_old == 0 with g != 0 too: exact zeros come back as zeros
+}
+
+// Marks the fragile elements of a block in ``mask`` (one byte each, vectorised); returns how many.
+inline int64_t block_fragile(const float* __restrict v, const float* __restrict g, uint8_t* __restrict mask,
+                             int64_t len, const Consts& c) {
+  int64_t count = 0;
+#pragma omp simd reduction(+ : count)
+  for (int64_t i = 0; i < len; ++i) {
+    const uint8_t f = fragile(v[i], g[i], c) ? 1 : 0;
+    mask[i] = f;
+    count += f;
+  }
+  return count;
+}
+
+// Inverts block_step with coefficient 1 in float64, with the same float constants. At step 1 the moments
+// were zeros. (Fragile elements are then overwritten with their saved m and v by the caller.)
+inline void block_undo(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict g,
+                       int64_t len, const Consts& c) {
+  const double ss = c.step_size, bc2s = c.bc2_sqrt, eps = c.eps, decay = c.decay, w1 = c.w1, b2 = c.b2,
+               w2 = c.w2, b1 = c.b1d;
+  if (c.first) {
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) {
+      const double pd = p[i], md = m[i], vd = v[i];
+      p[i] = (float)((pd + ss * md / (std::sqrt(vd) / bc2s + eps)) / decay);
+      m[i] = 0.0f;
+      v[i] = 0.0f;
+    }
+    return;
+  }
+#pragma omp simd
+  for (int64_t i = 0; i < len; ++i) {
+    const double gi = g[i], pd = p[i], md = m[i], vd = v[i];
+    p[i] = (float)((pd + ss * md / (std::sqrt(vd) / bc2s + eps)) / decay);
+    m[i] = (float)((md - w1 * gi) / b1);
+    const float vo = (float)((vd - w2 * gi * gi) / b2);
+    v[i] = vo > 0.0f ? vo : 0.0f;  // (a clamp in float: GCC does not vectorise the loop with one in double)
+  }
+}
+
+struct Views {
+  float *P, *M, *V;
+  int64_t n;
+  Views(torch::Tensor& p, const torch::Tensor& g, torch::Tensor& m, torch::Tensor& v) {
+    TORCH_CHECK(p.is_contiguous() && g.is_contiguous() && m.is_contiguous() && v.is_contiguous(), "contiguous");
+    TORCH_CHECK(p.scalar_type() == torch::kFloat && m.scalar_type() == torch::kFloat &&
+                    v.scalar_type() == torch::kFloat, "p, m, v must be fp32");
+    n = p.numel();
+    TORCH_CHECK(g.numel() == n && m.numel() == n && v.numel() == n, "sizes differ");
+    P = p.data_ptr<float>();
+    M = m.data_ptr<float>();
+    V = v.data_ptr<float>();
+  }
+  int64_t blocks() const { return (n + kBlock - 1) / kBlock; }
+};
+
+uint8_t* flags_of(const torch::Tensor& deferred, int64_t nblocks) {
+  if (deferred.numel() == 0) return nullptr;
+  TORCH_CHECK(deferred.scalar_type() == torch::kUInt8 && deferred.is_contiguous() && deferred.numel() == nblocks,
+              "deferred: one uint8 per block of ", kBlock, " elements");
+  return deferred.data_ptr<uint8_t>();
+}
+
+int nthreads(int64_t threads) { return threads > 0 ? (int)threads : omp_get_max_threads(); }
+
+}  // namespace
 
 void adamw_step(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v, double coef, double lr,
                 double b1, double b2, double eps, double wd, double step, int64_t threads) {
-  TORCH_CHECK(p.is_contiguous() && g.is_contiguous() && m.is_contiguous() && v.is_contiguous(), "contiguous");
-  TORCH_CHECK(p.scalar_type() == torch::kFloat && m.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat);
-  const int64_t n = p.numel();
-  TORCH_CHECK(g.numel() == n && m.numel() == n && v.numel() == n, "sizes differ");
-  float* P = p.data_ptr<float>();
-  float* M = m.data_ptr<float>();
-  float* V = v.data_ptr<float>();
-  const int nt = threads > 0 ? (int)threads : omp_get_max_threads();
-  if (g.scalar_type() == torch::kBFloat16) {
-    const uint16_t* G = reinterpret_cast<const uint16_t*>(g.data_ptr());
-    adamw_loop(P, M, V, n, [G](float* out, int64_t lo, int64_t hi) {
-      uint32_t* o = reinterpret_cast<uint32_t*>(out);
-#pragma omp simd
-      for (int64_t i = lo; i < hi; ++i) o[i - lo] = ((uint32_t)G[i]) << 16;  // bf16 -> fp32: the high half
-    }, (float)coef, lr, b1, b2, (float)eps, wd, step, nt);
-  } else {
-    TORCH_CHECK(g.scalar_type() == torch::kFloat, "gradient must be bf16 or fp32");
-    const float* G = g.data_ptr<float>();
-    adamw_loop(P, M, V, n, [G](float* out, int64_t lo, int64_t hi) { std::memcpy(out, G + lo, (hi - lo) * 4); },
-               (float)coef, lr, b1, b2, (float)eps, wd, step, nt);
+  Views t(p, g, m, v);
+  const Grad grad(g);
+  const Consts c(lr, b1, b2, eps, wd, step);
+  const float cf = (float)coef;
+  const int64_t nb = t.blocks();
+#pragma omp parallel for schedule(static) num_threads(nthreads(threads))
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t lo = b * kBlock, len = std::min(kBlock, t.n - lo);
+    float gbuf[kBlock];
+    grad.load(gbuf, lo, len);
+    block_step(t.P + lo, t.M + lo, t.V + lo, gbuf, len, cf, c);
   }
 }
 
-// Undo adamw_step (coefficient 1, step count ``step`` after the increment) in float64 and, if redo_coef >= 0,
-// redo it with that clip coefficient, in one pass (the rollback of a speculative update). Same algebra as
-// megatrain.optim.adamw_undo_: p_mid = p + lr/bc1 * m/(sqrt(v)/sqrt(bc2) + eps), / (1 - lr*wd);
-// m = (m - (1-b1) g)/b1; v = (v - (1-b2) g^2)/b2; moments indistinguishable from zero (both below 2^-18 of
-// the new ones) are zero; at step 1 the moments were zeros.
-void adamw_undo(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v, double redo_coef, double lr,
-                double b1, double b2, double eps, double wd, double step, int64_t threads) {
-  TORCH_CHECK(p.is_contiguous() && g.is_contiguous() && m.is_contiguous() && v.is_contiguous(), "contiguous");
-  const int64_t n = p.numel();
-  float* P = p.data_ptr<float>();
-  float* M = m.data_ptr<float>();
-  float* V = v.data_ptr<float>();
-  const bool bf16 = g.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(bf16 || g.scalar_type() == torch::kFloat, "gradient must be bf16 or fp32");
-  const uint16_t* G16 = bf16 ? reinterpret_cast<const uint16_t*>(g.data_ptr()) : nullptr;
-  const float* G32 = bf16 ? nullptr : g.data_ptr<float>();
-  const double bc1 = 1.0 - std::pow(b1, step), bc2s = std::sqrt(1.0 - std::pow(b2, step));
-  const double tiny = std::ldexp(1.0, -18);
-  const int nt = threads > 0 ? (int)threads : omp_get_max_threads();
-#pragma omp parallel for schedule(static) num_threads(nt)
-  for (int64_t i = 0; i < n; ++i) {
-    double gi;
-    if (bf16) {
-      uint32_t bits = ((uint32_t)G16[i]) << 16;
-      float f;
-      std::memcpy(&f, &bits, 4);
-      gi = f;
-    } else {
-      gi = G32[i];
+// A speculative (coefficient-1) update. Saves (index, m_old, v_old) of each fragile element, at most ``cap``
+// of them; a block whose fragile elements do not fit is left untouched and flagged in ``deferred``.
+// Returns (deferred blocks, indices int32 ascending, saved [k, 2] fp32).
+std::tuple<int64_t, torch::Tensor, torch::Tensor> adamw_speculate(
+    torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v, torch::Tensor deferred, int64_t cap,
+    double lr, double b1, double b2, double eps, double wd, double step, int64_t threads) {
+  Views t(p, g, m, v);
+  TORCH_CHECK(t.n < (int64_t(1) << 31), "a chunk has fewer than 2^31 elements");
+  const Grad grad(g);
+  const Consts c(lr, b1, b2, eps, wd, step);
+  const int64_t nb = t.blocks();
+  uint8_t* flags = flags_of(deferred, nb);
+  TORCH_CHECK(flags != nullptr, "deferred is required");
+  const int nt = nthreads(threads);
+  std::vector<std::vector<int32_t>> idx(nt);
+  std::vector<std::vector<float>> saved(nt);
+  int64_t count = 0;
+#pragma omp parallel num_threads(nt) reduction(+ : count)
+  {
+    // Thread k takes the k-th contiguous range of blocks and its share of ``cap``, first come first served in
+    // block order: deterministic for a thread count (no race for the budget), and the lists joined in thread
+    // order ascend.
+    const int k = omp_get_thread_num(), nk = omp_get_num_threads();
+    const int64_t b0 = nb * k / nk, b1 = nb * (k + 1) / nk;
+    int64_t room = nb ? cap * (b1 - b0) / nb : 0;
+    auto& I = idx[k];
+    auto& S = saved[k];
+    float gbuf[kBlock];
+    uint8_t mask[kBlock];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t lo = b * kBlock, len = std::min(kBlock, t.n - lo);
+      grad.load(gbuf, lo, len);
+      float *P = t.P + lo, *M = t.M + lo, *V = t.V + lo;
+      const int64_t nf = c.first ? 0 : block_fragile(V, gbuf, mask, len, c);
+      if (nf > room) {
+        flags[b] = 1;
+        ++count;
+        continue;
+      }
+      if (nf > 0) {
+        room -= nf;
+        for (int64_t i = 0; i < len; i += 8) {  // the mask, 8 bytes at a time: most words are zero
+          uint64_t word = 0;
+          std::memcpy(&word, mask + i, std::min<int64_t>(8, len - i));
+          for (int64_t j = i; word != 0 && j < std::min<int64_t>(i + 8, len); ++j, word >>= 8) {
+            if (word & 0xff) {
+              I.push_back((int32_t)(lo + j));
+              S.push_back(M[j]);
+              S.push_back(V[j]);
+            }
+          }
+        }
+      }
+      flags[b] = 0;
+      block_step(P, M, V, gbuf, len, 1.0f, c);
     }
-    const double pd = P[i], md = M[i], vd = V[i];
-    double po = pd + (lr / bc1) * md / (std::sqrt(vd) / bc2s + eps);
-    if (wd != 0.0) po /= (1.0 - lr * wd);
-    double mo = 0.0, vo = 0.0;
-    if (step > 1.0) {
-      mo = (md - (1.0 - b1) * gi) / b1;
-      vo = (vd - (1.0 - b2) * gi * gi) / b2;
-      if (std::fabs(vo) <= vd * tiny && std::fabs(mo) <= std::fabs(md) * tiny) mo = vo = 0.0;
-      if (vo < 0.0) vo = 0.0;
-    }
-    P[i] = (float)po;
-    M[i] = (float)mo;
-    V[i] = (float)vo;
   }
-  if (redo_coef >= 0.0) adamw_step(p, g, m, v, redo_coef, lr, b1, b2, eps, wd, step, threads);
+  int64_t k = 0;
+  for (auto& I : idx) k += (int64_t)I.size();
+  auto out_idx = torch::empty({k}, torch::kInt32);
+  auto out_saved = torch::empty({k, 2}, torch::kFloat);
+  int64_t at = 0;
+  for (int i = 0; i < nt; ++i) {
+    std::memcpy(out_idx.data_ptr<int32_t>() + at, idx[i].data(), idx[i].size() * sizeof(int32_t));
+    std::memcpy(out_saved.data_ptr<float>() + 2 * at, saved[i].data(), saved[i].size() * sizeof(float));
+    at += (int64_t)idx[i].size();
+  }
+  return {count, out_idx, out_saved};
 }
 
-// Both run in the host optimizer's worker thread while the main thread issues the GPU's work: they drop the
+// Resolves a speculative update once the coefficient is known, block by block in one pass (each block's undo
+// and redo happen while it is in cache). Deferred blocks (never updated): updated with ``coef``, or left alone
+// when coef < 0 (a skipped step). Updated blocks: when ``undo``, undone (fragile elements from their saved m
+// and v: ``idx``/``saved`` from adamw_speculate) and, if coef >= 0, redone with it; otherwise left as they are
+// (coefficient 1 was right). Empty ``deferred``/``idx``: nothing deferred/saved.
+void adamw_resolve(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v, torch::Tensor deferred,
+                   torch::Tensor idx, torch::Tensor saved, double coef, bool undo, double lr, double b1, double b2,
+                   double eps, double wd, double step, int64_t threads) {
+  Views t(p, g, m, v);
+  const Grad grad(g);
+  const Consts c(lr, b1, b2, eps, wd, step);
+  const int64_t nb = t.blocks();
+  const uint8_t* flags = flags_of(deferred, nb);
+  const int64_t k = idx.numel();
+  TORCH_CHECK(k == 0 || (idx.scalar_type() == torch::kInt32 && idx.is_contiguous() &&
+                         saved.scalar_type() == torch::kFloat && saved.is_contiguous() && saved.numel() == 2 * k),
+              "idx int32 [k], saved fp32 [k, 2]");
+  const int32_t* I = k ? idx.data_ptr<int32_t>() : nullptr;
+  const float* S = k ? saved.data_ptr<float>() : nullptr;
+  const float cf = (float)coef;
+#pragma omp parallel for schedule(static) num_threads(nthreads(threads))
+  for (int64_t b = 0; b < nb; ++b) {
+    const bool was_deferred = flags != nullptr && flags[b] != 0;
+    if (!was_deferred && !undo) continue;
+    if (was_deferred && coef < 0.0) continue;
+    const int64_t lo = b * kBlock, len = std::min(kBlock, t.n - lo);
+    float gbuf[kBlock];
+    grad.load(gbuf, lo, len);
+    float *P = t.P + lo, *M = t.M + lo, *V = t.V + lo;
+    if (!was_deferred) {
+      block_undo(P, M, V, gbuf, len, c);
+      for (const int32_t* j = std::lower_bound(I, I + k, (int32_t)lo); j < I + k && *j < lo + len; ++j) {
+        M[*j - lo] = S[2 * (j - I)];
+        V[*j - lo] = S[2 * (j - I) + 1];
+      }
+    }
+    if (coef >= 0.0) block_step(P, M, V, gbuf, len, cf, c);
+  }
+}
+
+// All run in the host optimizer's worker thread while the main thread issues the GPU's work: they drop the
 // GIL for the whole call (they touch no Python object), or the main thread could not run a line of Python
 // until each chunk's update returned, and the next forward would advance at the optimizer's pace.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.attr("BLOCK") = kBlock;
   mod.def("adamw_step", &adamw_step, "one-pass fp32 AdamW with a bf16/fp32 gradient (OpenMP)",
           py::call_guard<py::gil_scoped_release>());
-  mod.def("adamw_undo", &adamw_undo, "undo adamw_step in float64 (and redo it with a clip coefficient)",
+  mod.def("adamw_speculate", &adamw_speculate, "coefficient-1 AdamW that defers the blocks it could not undo",
+          py::call_guard<py::gil_scoped_release>());
+  mod.def("adamw_resolve", &adamw_resolve, "undo/redo a speculative update and apply its deferred blocks",
           py::call_guard<py::gil_scoped_release>());
 }
