@@ -184,7 +184,13 @@ class MegaTrain:
 
     @classmethod
     def from_pretrained(cls, path: str, cfg: EngineConfig | None = None, **kw) -> "MegaTrain":
-        """Load a local HF directory (config.json + safetensors, sharded or not) tensor by tensor."""
+        """Load a local HF directory (config.json + safetensors, sharded or not) tensor by tensor, or a
+        ``.gguf`` file (de-quantized to fp32 through a temporary HF folder: megatrain/gguf_import.py)."""
+        if str(path).endswith(".gguf"):
+            from .gguf_import import converted
+
+            with converted(path) as folder:
+                return cls.from_pretrained(folder, cfg, **kw)
         hf_config = checkpoint.read_config(path)
         return cls(hf_config, cfg, _weights="load", _source=str(path), **kw)
 
