@@ -13,7 +13,7 @@ CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role']
           "{{ '<|im_start|>system\nYou are a tiny test model.<|im_end|>\n' }}{% endif %}"
           "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-MERGES = [("W", "h"), ("Wh", "a"), ("Wha", "t"), ("Ġ", "i"), ("Ġi", "s")]
+MERGES = [("W", "h"), ("Ġ", "i")]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -21,29 +21,31 @@ def byte_tokens() -> list[str]:
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     spelling = bytes_to_unicode()
-    return [spelling[b] for b in range(256)]
+    return [spelling[b] for b in range(5, 256)]  # control bytes 0-4 left out: 256 tokens in all
 
 
 def vocab() -> list[str]:
+    """256 tokens (the tiny presets' vocabulary): 251 bytes, 2 merges, 3 special tokens."""
     return byte_tokens() + ["".join(m) for m in MERGES] + SPECIALS
 
 
-def hf_config(family: str = "llama", tied: bool = True):
+def hf_config(family: str = "llama", tied: bool = True, layers: int = 2):
+    """The tiny presets' shape (megatrain.spec tiny-llama: 4 layers, untied)."""
     from transformers import AutoConfig
 
-    kw = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    kw = dict(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=128, vocab_size=len(vocab()), tie_word_embeddings=tied,
-              max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, use_cache=False)
+              max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0, use_cache=False)
     cfg = AutoConfig.for_model(family, **kw)
     cfg._attn_implementation = "sdpa"
     return cfg
 
 
-def random_model(family: str = "llama", tied: bool = True, seed: int = 0):
+def random_model(family: str = "llama", tied: bool = True, seed: int = 0, layers: int = 2):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(family, tied), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(hf_config(family, tied, layers), attn_implementation="sdpa")
     with torch.no_grad():  # HF's init leaves norms at 1 and biases at 0: make every tensor informative
         for name, p in model.named_parameters():
             if p.dim() == 1:
