@@ -17,7 +17,8 @@ over labelled tokens (megatrain/system.py).
   must produce. Loss only on the answer: the prompt's labels are -100.
 * ``pad_batch``: one example per row, right-padded, ``attention_mask`` 0 and labels -100 on the padding.
   ``pack_batch``: several examples per row, ``position_ids`` restarting at 0 for each and no attention
-  mask, so HF's mask builder (which the engine uses too) makes the block-diagonal causal mask.
+  mask, so HF's mask builder (which the engine uses too) makes the block-diagonal causal mask (HF does so
+  only without a KV cache: call a plain HF model on a packed batch with ``use_cache=False``, as in training).
 * ``Evaluator``: the same code on the same weights for every system: the system's fp32 masters
   (``state_dict()``) are copied into one plain HF model, which computes the held-out loss on the answer
   tokens and greedy answers (``generate``, fp32), scored by exact match of the whole answer and by its last
