@@ -198,3 +198,33 @@ def test_accuracy_sft_sweep_on_cpu(model_dir, tmp_path):
     assert "## Table 3 on a pretrained model" in report and "Verdict: **agree**" in report
     assert (tmp_path / "plots" / "accuracy_sft.png").is_file()
     assert (tmp_path / "cache" / "gguf").is_dir()  # converted once into the cache
+
+
+def test_accuracy_sft_sweep_expands_to_the_four_points(tmp_path):
+    """Same data and optimizer for every point; pure streaming only for MegaTrain; a missing GGUF is refused
+    before anything runs, with the way to get it."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from experiments import sweeps
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "experiments" / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["sweep=accuracy_sft", "steps=120"])
+        jobs = sweeps.expand(cfg, lambda g, n: compose(config_name="config",
+                                                       overrides=["sweep=accuracy_sft", f"{g}={n}"])[g],
+                             device="cuda", gpu_name="NVIDIA H200")
+    GlobalHydra.instance().clear()
+    assert [(j.system, j.variant) for j in jobs] == [("native", "default"), ("megatrain", "default"),
+                                                    ("zero3", "default"), ("megatrain", "pure_streaming")]
+    assert jobs[3].options["gpu_resident"] == "0" and jobs[1].options["gpu_resident"] == "auto"
+    assert {(j.steps, j.optim.total_steps, j.optim.lr, j.batch_size, j.seq_len, j.seed) for j in jobs} == {
+        (120, 120, 2e-4, 64, 48, 0)}
+    assert all(j.sft["gguf"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and j.sft["n_eval"] == 500 for j in jobs)
+    assert jobs[0].num_params == 134_515_008  # the smollm2-135m preset = the GGUF's model
+    import dataclasses
+
+    missing = dataclasses.replace(jobs[0], sft=dict(jobs[0].sft, gguf=str(tmp_path / "none.gguf")))
+    assert "ship_gguf.sh" in sweeps.invalid_reason(missing)
+    both = dataclasses.replace(jobs[0], sft=dict(jobs[0].sft, model_dir=str(tmp_path)))
+    assert "exactly one of gguf" in sweeps.invalid_reason(both)
