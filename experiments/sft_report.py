@@ -205,6 +205,10 @@ def report_lines(results_dir, figure: str | None = None, sweep: str = SWEEP) -> 
                      f"{_num(s.get('eval_loss_before'))} → {_num(s.get('eval_loss_after'))} | {dev} | {dacc} | "
                      f"{_pct(s.get('clip_fraction'))} % | {_num(s.get('grad_norm_median'), '.2f')} | {spec} | "
                      f"{s.get('rollbacks', 'n/a')} | {_num(s.get('step_time_median_s'), '.3f')} |")
+    lines += ["", "Clipped steps: the pre-clipping global gradient norm above the clipping threshold (the same rule "
+              "for every system). Speculated steps (MegaTrain): the host tier's AdamW ran during the backward, "
+              "before the norm was known, undone and redone (rollbacks) where clipping then fired; a run whose "
+              "layers all sit on the GPU tier (tiered, at this size) has no host tier to speculate with."]
     lines += ["", f"Rule: a system agrees with {result['ref']} when its held-out loss is within {LOSS_TOL} nats at "
               f"every evaluation and its final exact-match accuracy within {100 * ACC_TOL:.0f} point "
               f"(bf16 compute: every system rounds differently). Verdict: **{result['verdict']}**."

@@ -248,12 +248,20 @@ class Evaluator:
         plus a few samples."""
         if weights is not None:
             self.load(weights)
-        result = {"eval_loss": self.loss()}
-        if accuracy:
-            generated = self.generate()
-            answers = [a for _, a in self.held_out]
-            result.update(score(generated, answers))
-            result["samples"] = [{"q": q, "ref": a, "got": g} for (q, a), g in list(zip(self.held_out, generated))[:4]]
+        # Full fp32 matmuls whatever the process set (a system's library may have enabled TF32): every
+        # system's evaluation computes the same way.
+        precision = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        try:
+            result = {"eval_loss": self.loss()}
+            if accuracy:
+                generated = self.generate()
+                answers = [a for _, a in self.held_out]
+                result.update(score(generated, answers))
+                result["samples"] = [{"q": q, "ref": a, "got": g}
+                                     for (q, a), g in list(zip(self.held_out, generated))[:4]]
+        finally:
+            torch.set_float32_matmul_precision(precision)
         return result
 
 
