@@ -15,7 +15,8 @@ from pathlib import Path
 SWEEP = "accuracy_sft"
 REF = ("native", "default")
 LOSS_TOL, ACC_TOL = 0.01, 0.01  # nats; accuracy as a fraction (1 point)
-VARIANT_LABEL = {"default": "", "pure_streaming": " pure streaming"}
+# The same system in another variant: a lighter shade of its colour and its own marker.
+VARIANT_STYLE = {"pure_streaming": ("#F0A35E", "D")}
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -119,14 +120,15 @@ def plot(results_dir, out_dir, formats=("png", "pdf"), sweep: str = SWEEP) -> li
     styles = ["-", "--", ":", "-."]
     for i, run in enumerate(runs):
         rec = record(run["system"])
-        kw = dict(color=rec.colour, marker=rec.marker, ms=3.5, ls=styles[i % len(styles)],
+        colour, marker = VARIANT_STYLE.get(run["variant"], (rec.colour, rec.marker))
+        kw = dict(color=colour, marker=marker, ms=3.5, ls=styles[i % len(styles)],
                   lw=1.2 + 1.0 * (len(runs) - 1 - i), label=run["label"])
         loss = _curve(run, "eval_loss")
         ax_loss.plot(sorted(loss), [loss[s] for s in sorted(loss)], **kw)
         acc = _curve(run, "exact_match")
         ax_acc.plot(sorted(acc), [100 * acc[s] for s in sorted(acc)], **kw)
         steps = [r for r in run["steps"] if r.get("grad_norm") is not None]
-        ax_norm.plot([r["step"] + 1 for r in steps], [r["grad_norm"] for r in steps], color=rec.colour,
+        ax_norm.plot([r["step"] + 1 for r in steps], [r["grad_norm"] for r in steps], color=colour,
                      lw=0.9, ls=kw["ls"], label=run["label"], alpha=0.8)
         if base is not None and run is not base:
             bl = _curve(base, "eval_loss")
@@ -141,7 +143,7 @@ def plot(results_dir, out_dir, formats=("png", "pdf"), sweep: str = SWEEP) -> li
     ax_loss.set_ylabel("held-out loss on the answers (nats/token)")
     ax_acc.set_ylabel("held-out exact match (%)")
     ax_norm.set_ylabel("gradient norm before clipping")
-    ax_diff.set_ylabel("held-out loss − all-on-GPU (nats)")
+    ax_diff.set_ylabel(f"held-out loss − {base['label'] if base else 'reference'} (nats)")
     for ax in axes.flat:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
