@@ -361,6 +361,10 @@ def main(argv=None) -> int:
         return init_main(job)
     # first, before torch is imported: its thread pools must start inside the emulated cores
     applied = emulation.apply(job.hardware)
+    if job.sft:  # fine-tune a pretrained model and evaluate it (sweep=accuracy_sft)
+        from .sft_point import train as sft_train
+
+        return sft_train(job, applied)
     if _world() == 1:
         return train(job, applied)
     return train_rank(job, applied)

@@ -78,6 +78,7 @@ class Job:
     init_dir: str = ""
     cache_dir: str = ""
     host_estimate_bytes: int | None = None
+    sft: dict | None = None  # sweep.sft (experiments/sft_config.py): an SFT point (experiments/sft_point.py)
 
     @property
     def tokens_per_step(self) -> int:
@@ -313,7 +314,7 @@ def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name
                                     seq_len=int(seq), batch_size=int(batch), micro_batches=int(cfg.micro_batches),
                                     hardware=hwe, options=opts,
                                     activation_checkpointing=bool(sc.get("activation_checkpointing", True)),
-                                    factory=sc.get("factory"), **job_common,
+                                    factory=sc.get("factory"), sft=_container(sw.sft), **job_common,
                                 ))
     if cfg.only:
         points = [p for p in points if any(fnmatch.fnmatchcase(p.id, pat) for pat in cfg.only)]
@@ -435,6 +436,11 @@ def invalid_reason(job: Job) -> str | None:
                 f"set max_position_embeddings={job.seq_len} (or more) to raise them for every system")
     if job.gpus < 1:
         return f"gpus={job.gpus} must be >= 1"
+    if job.sft:
+        from .sft_point import invalid_reason as sft_invalid
+
+        if sft_invalid(job):
+            return sft_invalid(job)
     rec = SYSTEM_RECORDS.get(job.system)
     max_gpus = rec.max_gpus if rec else 1
     if job.gpus > max_gpus:

@@ -219,7 +219,16 @@ class MegaTrain:
     @classmethod
     def from_pretrained(cls, path: str, cfg: EngineConfig | None = None, **kw) -> "MegaTrain":
         """Load a local HF directory (config.json + safetensors, sharded or not) tensor by tensor; a
-        checkpoint folder written by ``save`` reads its ``latest`` step folder."""
+        checkpoint folder written by ``save`` reads its ``latest`` step folder; a ``.gguf`` file is de-quantized
+        to fp32 through a temporary HF folder (megatrain/gguf_import.py; its tokenizer is not carried into
+        saves: convert once with ``python -m megatrain.gguf_import`` to keep one)."""
+        if str(path).endswith(".gguf"):
+            from .gguf_import import converted
+
+            with converted(path) as folder:
+                engine = cls.from_pretrained(folder, cfg, **kw)
+            engine.source_dir = None  # the temporary folder is gone
+            return engine
         path = checkpoint_layout.resolve(path)
         hf_config = checkpoint.read_config(path)
         engine = cls(hf_config, cfg, _weights="load", _source=str(path), **kw)
