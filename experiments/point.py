@@ -315,8 +315,11 @@ def train(job: Job, applied: dict | None = None) -> int:
                 log(f"[point] warning: close() failed: {error_text(e)}")
         if mon is not None:
             peaks = mon.stop()
-            result["host_peak_rss_bytes"] = peaks["host_peak_rss_bytes"]
+            result["host_peak_rss_bytes"] = peaks["host_peak_rss_bytes"]  # None (unknown) if the sampler died
             result["gpu_peak_nvml_bytes"] = peaks["gpu_peak_nvml_bytes"]
+            if peaks.get("error"):
+                result["host_peak_rss_error"] = peaks["error"]
+                log(f"[point] warning: host peak unknown: {peaks['error']}")
         result["metrics"] = summarize(records, job)
         result["duration_s"] = time.time() - t_start
         _write_json(pdir / "result.json", result)

@@ -10,12 +10,13 @@ from megatrain import EngineConfig, PRESETS
 from megatrain.boundaries import GpuBoundaries, HostBoundaries, HostBuffers, make_boundaries
 from megatrain.streams import StreamSet
 
-from test_engine_parity import batches, engine_cfg, run_engine
+from test_engine_parity import assert_matches_reference, batches, engine_cfg, run_engine
 
 
 @pytest.mark.parametrize("interval,mb,chunk", [(1, 2, -1), (2, 2, 7), (0, 1, -1)])
 def test_offload_on_vs_off_identical(interval, mb, chunk):
-    """Same losses and weights, bit for bit, with boundaries on the device or offloaded."""
+    """Same losses and weights, bit for bit, with boundaries on the device or offloaded; both match plain
+    PyTorch (losses and weights at 1e-5, fp32)."""
     spec = PRESETS["tiny-llama"]
     hf, data = spec.to_hf_config("sdpa"), batches(spec, steps=3)
     kw = dict(checkpoint_interval=interval, micro_batches=mb, mlp_chunk_tokens=chunk)
@@ -25,6 +26,7 @@ def test_offload_on_vs_off_identical(interval, mb, chunk):
     for name in final_a:
         assert torch.equal(init_a[name], init_b[name])
         assert torch.equal(final_a[name], final_b[name]), name
+    assert_matches_reference(hf, init_b, losses_b, final_b, data, micro_batches=mb)
 
 
 def _store(total, on_gpu, buffers=None):
