@@ -28,14 +28,7 @@ from omegaconf import MISSING
 from megatrain.config import EngineConfig
 from megatrain.system import OptimConfig
 
-# Peak dense bf16 TFLOPS used for MFU, by substring of the GPU name (first match wins). The one copy.
-PEAK_TFLOPS: dict[str, float] = {
-    "H200": 797.5,  # measured on our H200 (dense bf16 matmul), not the datasheet's 989
-    "A100": 312.0,
-    "A6000": 154.8,
-    "3090": 142.0,
-}
-H200_PEAK_TFLOPS = PEAK_TFLOPS["H200"]
+from .schema import H200_PEAK_TFLOPS, PEAK_TFLOPS  # noqa: F401  (the one copy: a measurement fact of rows)
 HARDWARE_ORDER = ("H200", "A100-80GB", "RTX-A6000-48GB", "RTX-3090-24GB")  # figure/table order
 
 

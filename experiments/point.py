@@ -129,10 +129,20 @@ def summarize(records: list[dict], job: Job) -> dict:
     if records:
         out["loss_first"] = records[0].get("loss")
         out["loss_last"] = records[-1].get("loss")
-    times = [r["step_time_s"] for r in records if not r.get("warmup")]
+    timed = [r for r in records if not r.get("warmup")]
+    times = [r["step_time_s"] for r in timed]
     out["measured_steps_done"] = len(times)
     if not times:
         return out
+    # the spread of the timed steps: a difference inside it is noise, not a result
+    out.update(timed_steps=len(times), step_time_min_s=min(times), step_time_max_s=max(times),
+               step_time_stdev_s=statistics.stdev(times) if len(times) > 1 else None)
+    # clipping fired in a step whose global gradient norm exceeded the threshold (the same test for every
+    # system: the norm each reports before clipping); unknown when a system reports no norm
+    mgn = float(job.optim.max_grad_norm or 0)
+    norms = [r.get("grad_norm") for r in timed]
+    if all(n is not None for n in norms):
+        out["steps_clipped"] = sum(1 for n in norms if mgn > 0 and float(n) > mgn)
     med = statistics.median(times)
     tokens = job.tokens_per_step  # batch_size is per GPU: every GPU's tokens count
     flops = step_flops(job.num_params, job.spec["num_layers"], job.spec["hidden_size"], job.seq_len, tokens)

@@ -143,6 +143,7 @@ def run(cfg) -> dict:
     status = schema.point_status(csv_path)
     run_cfg = OmegaConf.to_container(cfg, resolve=True)
 
+    estimates: dict[str, dict | None] = {}  # one host estimate per job (the plan is not cheap)
     print(f"sweep {cfg.sweep.name}: {len(jobs)} point(s) on {device}"
           f"{' (' + env['gpu_name'] + ')' if env['gpu_name'] and device != 'cpu' else ''}; "
           f"results in {csv_path}", flush=True)
@@ -152,15 +153,17 @@ def run(cfg) -> dict:
         job.init_dir = "" if engine_init else str(K.init_paths(job.spec, job.seed, cache)[1])
         est = sweeps.host_estimate(job, device, env.get("gpu_total_bytes"))
         job.host_estimate_bytes = est["total_bytes"] if est else None
+        job.tiers = est.get("tiers") if est and job.system == "megatrain" else None
+        estimates[job.id] = est
     if cfg.dry_run:
         for job in jobs:
             prev = status.get(job.id)
             if prev in schema.DONE_STATUSES and not cfg.redo:
                 action = f"done ({prev})"
             else:
-                est = sweeps.host_estimate(job, device, env.get("gpu_total_bytes"))
-                action = sweeps.skip_reason(job, device=device, available_host=sweeps.available_host(job),
-                                            gpu_total=env.get("gpu_total_bytes"), estimate=est) or "run"
+                est = estimates[job.id]
+                action = str(sweeps.skip_reason(job, device=device, available_host=sweeps.available_host(job),
+                                                gpu_total=env.get("gpu_total_bytes"), estimate=est) or "run")
                 if est and action == "run" and not record(job.system).on_device:
                     action += f" (engine host estimate {est['total_bytes'] / GIB:.1f} GiB)"
             print(f"  {job.id}  P={human(job.num_params)}  {action}")
@@ -187,11 +190,10 @@ def run(cfg) -> dict:
             bar.write(f"{tag} [done]    {job.id} ({status[job.id]}; redo=true re-runs it)")
             continue
         # the point's own view of host RAM: a host_ram_gib profile's cap, as its engine will plan with it
-        reason = sweeps.skip_reason(job, device=device, available_host=sweeps.available_host(job),
-                                    gpu_total=env.get("gpu_total_bytes"),
-                                    estimate=sweeps.host_estimate(job, device, env.get("gpu_total_bytes")))
-        if reason:
-            result = {"status": "skipped", "error": reason}
+        skip = sweeps.skip_reason(job, device=device, available_host=sweeps.available_host(job),
+                                  gpu_total=env.get("gpu_total_bytes"), estimate=estimates[job.id])
+        if skip:
+            result = {"status": "skipped", "error": skip.text, "skip": skip}
             counts["skipped"] += 1
         else:
             timeout, init_timeout = cfg.timeout_s, cfg.init_timeout_s
@@ -206,10 +208,11 @@ def run(cfg) -> dict:
             bar.write(f"{tag} [run]     {job.id}")
             result = L.launch(job, timeout=timeout, init_timeout=init_timeout, log=lambda m: bar.write(m))
             if result.get("status") == "timeout" and timeout < cfg.timeout_s:
-                result["error"] += f" ({schema.BUDGET_CUT}; a rerun retries it)"
+                result["reason"] = "budget_cut"
+                result["error"] += " (clipped by time_budget_s; a rerun retries it)"
             counts["launched"] += 1
-        row = L.to_row(job, result, env)
-        schema.append_row(csv_path, schema.make_row(**row))
+        row = schema.make_row(row=L.to_row(job, result, env))
+        schema.append_row(csv_path, row)
         statuses[row["status"]] = statuses.get(row["status"], 0) + 1
         counts["ok"] += row["status"] == "ok"
         bar.write(f"{tag} [{row['status']}]{' ' * max(1, 8 - len(row['status']))}{job.id}  {_tail(row, device)}")

@@ -11,7 +11,7 @@ import pandas as pd
 from baselines.registry import SYSTEM_RECORDS, SYSTEMS as REGISTERED_SYSTEMS, record
 
 from .config import H200_PEAK_TFLOPS, HARDWARE_ORDER  # noqa: F401  (re-exported for the figures)
-from .schema import BUDGET_CUT, fill_x_from_point, is_sample
+from .schema import fill_x_from_point, is_sample
 
 SWEEPS = ("smoke", "baselines", "size", "depth", "width", "context", "hardware", "ablation", "tokens")
 FAILED = ("skipped", "gpu_oom", "host_oom", "timeout", "error")
@@ -56,7 +56,7 @@ def status_short(r) -> str:
     cut short (not the point's own ``timeout_s``) is "budget cut": the system never got its full time, so
     it is not a timeout of that system."""
     st = r.get("status")
-    if st == "timeout" and BUDGET_CUT in str(r.get("error") or ""):
+    if st == "timeout" and r.get("reason") == "budget_cut":
         return "budget cut"
     return STATUS_SHORT.get(st, st or "?")
 

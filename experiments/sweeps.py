@@ -78,6 +78,7 @@ class Job:
     init_dir: str = ""
     cache_dir: str = ""
     host_estimate_bytes: int | None = None
+    tiers: dict | None = None  # the engine plan's placement as numbers (sweeps.tier_counts), when predicted
 
     @property
     def tokens_per_step(self) -> int:
@@ -353,8 +354,19 @@ def _megatrain_plan(point: Job, gpu_bytes: int) -> dict:
         plan = plan_for_spec(spec, dict(point.options, gpu_resident="0"), gpu_free=1 << 62,
                              host_available=1 << 62, **kw)
     host = sum(plan.host_parts.values())
-    return {"total_bytes": host, "num_params": spec.num_params(), "bytes_per_param": host / spec.num_params(),
-            "gpu_refusal": refusal, "plan": plan.summary()}
+    out = {"total_bytes": host, "num_params": spec.num_params(), "bytes_per_param": host / spec.num_params(),
+           "gpu_refusal": refusal, "plan": plan.summary(), "tiers": tier_counts(plan)}
+    if refusal:  # what the streaming plan needs on the GPU against what the GPU has after the plan's margin
+        margin = int(float(point.options.get("gpu_margin_gib", 0) or 0) * GIB)
+        out.update(gpu_need_bytes=sum(plan.gpu_parts.values()), gpu_usable_bytes=gpu_bytes - margin)
+    return out
+
+
+def tier_counts(plan) -> dict:
+    """The placement as numbers: decoder layers and params on each tier (row fields)."""
+    layers = [n for n in plan.tiers if n.startswith("layer.")]
+    return {"gpu_tier_layers": plan.gpu_layers, "host_tier_layers": len(layers) - plan.gpu_layers,
+            "gpu_tier_params": plan.params_on("gpu"), "host_tier_params": plan.params_on("host")}
 
 
 CUDA_CONTEXT_BYTES = 1 << 30  # the CUDA context and torch's own, not available to the plan
@@ -384,36 +396,63 @@ def gpu_capacity_bytes(point: Job, real_total: int | None) -> int | None:
     return real_total
 
 
+@dataclass(frozen=True)
+class Skip:
+    """Why a point is not launched: ``reason`` (a key of ``experiments.schema.REASONS``), the bytes
+    needed and available per memory (None: not a memory skip), and one line for people (``text``). The
+    row carries the fields; nothing reads ``text`` back."""
+
+    reason: str
+    text: str
+    need_host: int | None = None
+    have_host: int | None = None
+    need_gpu: int | None = None
+    have_gpu: int | None = None
+
+    def __str__(self) -> str:
+        return self.text
+
+    def row_fields(self) -> dict:
+        gib = lambda b: b / GIB if b is not None else None  # noqa: E731
+        return {"reason": self.reason, "need_host_gib": gib(self.need_host), "have_host_gib": gib(self.have_host),
+                "need_gpu_gib": gib(self.need_gpu), "have_gpu_gib": gib(self.have_gpu)}
+
+
 def skip_reason(point: Job, *, device: str, available_host: int | None, gpu_total: int | None,
-                estimate: dict | None) -> str | None:
+                estimate: dict | None) -> Skip | None:
     """Why the point should not be launched (None: launch it)."""
     p = point.num_params
     rec = record(point.system)
     if device == "cpu" and not rec.runs_on_cpu:
-        return f"skipped: {rec.label} needs a GPU (this run is on the CPU)"
+        return Skip("needs_gpu", f"skipped: {rec.label} needs a GPU (this run is on the CPU)")
     if rec.on_device:
         if device == "cpu":  # "all on the device" = all in host RAM: fp32 weights, grads, Adam m, v
             need = NATIVE_CPU_BYTES_PER_PARAM * p
             if available_host is not None and need > available_host:
-                return (f"skipped: training on the CPU needs >= {NATIVE_CPU_BYTES_PER_PARAM} B/param = "
-                        f"{need / GIB:.1f} GiB > {_host_ram_text(point, available_host)}")
+                return Skip("host_memory", f"skipped: training on the CPU needs >= {NATIVE_CPU_BYTES_PER_PARAM} "
+                            f"B/param = {need / GIB:.1f} GiB > {_host_ram_text(point, available_host)}",
+                            need_host=need, have_host=available_host)
             return None
         cap = gpu_capacity_bytes(point, gpu_total)
         need = NATIVE_BYTES_PER_PARAM * p
         if cap is not None and need > cap:
-            return (f"skipped: all-on-GPU needs >= {NATIVE_BYTES_PER_PARAM} B/param (fp32 weights + Adam m, v) "
-                    f"= {need / GIB:.1f} GiB > {cap / GIB:.1f} GiB of GPU memory")
+            return Skip("gpu_memory", f"skipped: all-on-GPU needs >= {NATIVE_BYTES_PER_PARAM} B/param (fp32 weights "
+                        f"+ Adam m, v) = {need / GIB:.1f} GiB > {cap / GIB:.1f} GiB of GPU memory",
+                        need_gpu=need, have_gpu=cap)
         return None
     if estimate is not None and estimate.get("gpu_refusal"):
-        return f"skipped: engine plan: {estimate['gpu_refusal']} (host side: {estimate['total_bytes'] / GIB:.1f} GiB)"
-    if estimate is not None and "plan" in estimate and available_host is not None \
-            and estimate["total_bytes"] > available_host:
-        return (f"skipped: engine plan (GPU tier filled first): host needs {estimate['total_bytes'] / GIB:.1f} GiB "
-                f"({p / 1e9:.2f}B params) > {_host_ram_text(point, available_host)}")
+        need_gpu, have_gpu = estimate.get("gpu_need_bytes"), estimate.get("gpu_usable_bytes")
+        numbers = (f"GPU needs {need_gpu / GIB:.1f} GiB > {have_gpu / GIB:.1f} GiB usable"
+                   if need_gpu is not None and have_gpu is not None else estimate["gpu_refusal"])
+        return Skip("plan_gpu", f"skipped: the engine's plan refuses the GPU side even with every layer streamed: "
+                    f"{numbers} (host side: {estimate['total_bytes'] / GIB:.1f} GiB)",
+                    need_gpu=need_gpu, have_gpu=have_gpu, need_host=estimate["total_bytes"])
     if estimate is not None and available_host is not None and estimate["total_bytes"] > available_host:
-        return (f"skipped: engine host estimate {estimate['total_bytes'] / GIB:.1f} GiB "
-                f"({estimate['bytes_per_param']:.2f} B/param x {p / 1e9:.2f}B params) > "
-                f"{_host_ram_text(point, available_host)}")
+        need = estimate["total_bytes"]
+        what = ("engine plan (GPU tier filled first): host needs" if "plan" in estimate else "engine host estimate")
+        per = f"{estimate['bytes_per_param']:.2f} B/param x " if "plan" not in estimate else ""
+        return Skip("host_memory", f"skipped: {what} {need / GIB:.1f} GiB ({per}{p / 1e9:.2f}B params) > "
+                    f"{_host_ram_text(point, available_host)}", need_host=need, have_host=available_host)
     return None
 
 

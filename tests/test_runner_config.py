@@ -204,9 +204,11 @@ def test_host_ram_profiles_skip_with_the_engine_estimate(compose_fn, monkeypatch
     assert reason("qwen2.5-14b", "H200") is None
     for hw in ("host-64GB", "host-96GB"):
         r = reason("qwen2.5-14b", hw)
-        assert r.startswith("skipped: engine plan (GPU tier filled first): host needs 9"), r
-        assert f"(emulated {hw[5:7]} GiB host, profile {hw})" in r
-    assert "host needs 88.9 GiB" in reason("qwen2.5-7b", "host-64GB")
+        assert r.reason == "host_memory" and 90 * GIB <= r.need_host < 100 * GIB, r
+        assert r.have_host == sweeps.available_host(by[("qwen2.5-14b", hw)])
+        assert f"(emulated {hw[5:7]} GiB host, profile {hw})" in r.text
+    r7 = reason("qwen2.5-7b", "host-64GB")
+    assert r7.reason == "host_memory" and "host needs 88.9 GiB" in r7.text
     assert reason("qwen2.5-7b", "host-96GB") is None and reason("qwen2.5-7b", "cores-4") is None
 
 
@@ -257,7 +259,8 @@ def test_skip_rules(compose_fn):
     assert sweeps.skip_reason(mt7, estimate=est7, **kw) is None
     assert sweeps.skip_reason(mt14, estimate=est14, **kw) is None
     reason = sweeps.skip_reason(mt32, estimate=est32, **kw)
-    assert reason.startswith("skipped: engine plan (GPU tier filled first): host needs") and "GiB" in reason
+    assert reason.reason == "host_memory" and reason.need_host == est32["total_bytes"] and reason.have_host == avail
+    assert reason.row_fields()["need_host_gib"] == est32["total_bytes"] / GIB
     # the pure-streaming estimate (12 B/param) would have skipped 14B: the plan is what the engine does
     assert sweeps.host_estimate(mt14, "cuda")["total_bytes"] > avail
     # 72B: its bf16 gradients alone exceed the GPU, so grad_placement="auto" gives the host tier's a host
@@ -267,21 +270,24 @@ def test_skip_rules(compose_fn):
     assert not est72["gpu_refusal"] and est72["total_bytes"] > 800 * GIB
     assert "grad_placement=auto -> host" in est72["plan"]
     reason = sweeps.skip_reason(mt72, estimate=est72, **kw)
-    assert reason.startswith("skipped: engine plan (GPU tier filled first): host needs") and "126.0 GiB" in reason
+    assert reason.reason == "host_memory" and "126.0 GiB" in reason.text
     # with the gradients kept on the GPU (the engine before grad_placement) it is a GPU-side refusal
     mt72_gpu = dataclasses.replace(mt72, options=dict(mt72.options, grad_placement="gpu"))
     est72_gpu = sweeps.host_estimate(mt72_gpu, "cuda", gpu)
     assert est72_gpu["gpu_refusal"]
-    assert sweeps.skip_reason(mt72_gpu, estimate=est72_gpu, **kw).startswith("skipped: engine plan: GPU needs")
+    refusal = sweeps.skip_reason(mt72_gpu, estimate=est72_gpu, **kw)
+    assert refusal.reason == "plan_gpu" and refusal.need_gpu > refusal.have_gpu > 0
+    assert est72_gpu["tiers"]["gpu_tier_layers"] == 0 and est72_gpu["tiers"]["host_tier_layers"] == 80
     zero3_14 = by[("zero3", "qwen2.5-14b")]
     assert sweeps.skip_reason(zero3_14, estimate=sweeps.host_estimate(zero3_14, "cuda", gpu), **kw)
     # all-on-GPU: judged by GPU memory (12 B/param), not by host RAM
     nat7, nat14 = by[("native", "qwen2.5-7b")], by[("native", "qwen2.5-14b")]
     assert sweeps.skip_reason(nat7, estimate=None, **kw) is None
-    assert "GPU memory" in sweeps.skip_reason(nat14, estimate=None, **kw)
+    nat = sweeps.skip_reason(nat14, estimate=None, **kw)
+    assert nat.reason == "gpu_memory" and nat.need_gpu == 12 * nat14.num_params and nat.have_gpu == gpu
     _, hw = expand(compose_fn, "sweep=hardware", "system=native")
     capped = [p for p in hw if p.hardware["label"] == "RTX-3090-24GB"][0]
-    assert "24.0 GiB of GPU memory" in sweeps.skip_reason(capped, estimate=None, **kw)
+    assert sweeps.skip_reason(capped, estimate=None, **kw).have_gpu == 24 * GIB
     # an emulated 24 GB GPU leaves the 14B engine's host side over this host's RAM
     _, hw = expand(compose_fn, "sweep=hardware", "system=megatrain", "model=qwen2.5-14b")
     mt_3090 = [p for p in hw if p.hardware["label"] == "RTX-3090-24GB"][0]
@@ -384,7 +390,7 @@ def test_size_sweep_has_14b_and_gpu_only_systems_skip_on_cpu(compose_fn):
     by = {j.system: j for j in jobs}
     assert {"zero2", "superoffload"} <= set(by)
     reason = sweeps.skip_reason(by["gemini"], device="cpu", available_host=None, gpu_total=None, estimate=None)
-    assert "needs a GPU" in reason
+    assert reason.reason == "needs_gpu" and "needs a GPU" in reason.text
 
 
 def test_override_precheck_lists_valid_keys():
