@@ -1,16 +1,22 @@
-"""The paper's claims (``experiments/data/paper_claims.yaml``) against our rows: selecting the row a
-claim is about and judging it (``evaluate_claim``), and the verdict summary (``summary_lines``). Used by
-``experiments.report``; no torch.
+"""The paper's claims (``data/paper_claims.yaml``) against our rows: selecting the row a claim is about
+and judging it (``evaluate_claim`` -> a ``Verdict``), and the verdict summary (``summary_lines``).
 
-A row that was not launched because the memory rule predicts it does not fit (``experiments.sweeps.
-skip_reason``) gives the verdict "not reproducible here: needs ~X GiB host RAM (this host: Y GiB)" for a
-claim about its number, and "matched (predicted: ...)" for a claim that the paper's system runs out of
-memory there. A claim with no matching sweep row can take its number from an engine benchmark file
-(``evidence``)."""
+Every judgement reads row fields (``experiments.schema.Row``): ``status``, ``reason`` with the bytes
+needed and available, the placement (GPU-/host-tier layers), the clipping (steps clipped / timed
+steps), the spread of the timed steps, the git SHA and the machine. No prose is parsed. The rules:
+
+* *matched* / *missed* / *exceeded* only for a measured comparison with the paper (an ok row);
+* a point never launched because the memory rule predicts it does not fit is *predicted* (a claim that
+  a system runs out of memory) or *not reproducible here* (a claim about its number); the engine's own
+  plan refusing the GPU side, or needing more host RAM than the paper's host had, is *missed*: a limit
+  of the engine, not of this node;
+* a ratio whose two rows' step-time spreads overlap is *within noise* unless it matches the paper;
+* a ratio across two commits is marked (``CROSS_COMMIT``), and rows of two machines are never compared;
+* each verdict on a MegaTrain row says its placement and its clipping regime.
+"""
 from __future__ import annotations
 
-import json
-import re
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,11 +29,9 @@ from .schema import KNOWN_SWEEPS as SWEEPS, SAMPLE_GPU, SAMPLE_SHA, fill_x_from_
 from .style import STATUS_SHORT, TB_1_5_GIB, short_sha, status_short
 
 CLAIMS_PATH = Path(__file__).parent / "data" / "paper_claims.yaml"
-ROOT = Path(__file__).resolve().parents[1]  # evidence files are relative to the repository root
 PARAMS_TOL = 0.15  # params_b matches the nearest size within 15 %
 OOM = ("gpu_oom", "host_oom")
 COMPARES = ("absolute", "ratio", "relative", "status", "trains")
-UNMEASURED_TARGET = 3  # the reproduction's goal: at most this many claims without a measured verdict
 
 
 class ClaimsError(ValueError):
@@ -51,18 +55,12 @@ def load_claims(path: str | Path = CLAIMS_PATH) -> dict:
 
 
 def _check_optional_fields(path: Path, c: dict) -> None:
-    """``note`` is a string; ``evidence`` is {file, where[, reference][, metric]}, absolute/relative only."""
+    """``note`` is a string; ``evidence`` (a side channel of benchmark files) is gone: rows only."""
     if "note" in c and not isinstance(c["note"], str):
         raise ClaimsError(f"{path}: claim {c['id']}: 'note' must be a string")
-    ev = c.get("evidence")
-    if ev is None:
-        return
-    if c["compare"] not in ("absolute", "relative"):
-        raise ClaimsError(f"{path}: claim {c['id']}: 'evidence' works with compare absolute or relative only")
-    if not isinstance(ev, dict) or not ev.get("file") or not isinstance(ev.get("where"), dict):
-        raise ClaimsError(f"{path}: claim {c['id']}: 'evidence' needs 'file' and a 'where' mapping")
-    if c["compare"] == "relative" and not isinstance(ev.get("reference"), dict):
-        raise ClaimsError(f"{path}: claim {c['id']}: relative 'evidence' needs a 'reference' mapping")
+    if "evidence" in c:
+        raise ClaimsError(f"{path}: claim {c['id']}: 'evidence' files are no longer read; every number comes "
+                          f"from a sweep row (add a sweep or bench entry that measures it)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,78 +198,56 @@ def _same_point(rows: pd.DataFrame, r: pd.Series, system: str) -> pd.Series | No
     return (ok if not ok.empty else c).iloc[0]
 
 
-def _run_of(r) -> tuple[str, str]:
-    """(git SHA, day) of a row: rows of one run share both."""
-    return short_sha(r), str(r.get("date") or "")[:10]
-
-
-def _other_run(a, b) -> str:
-    """"" when rows ``a`` and ``b`` come from one run (same git SHA and day), else ", another run (git X,
-    day)" naming ``b``'s run: a comparison across runs is not a same-run comparison."""
-    if _run_of(a) == _run_of(b):
-        return ""
-    sha, day = _run_of(b)
-    return f", another run (git {sha or '?'}, {day or '?'})"
-
-
 # ----------------------------------------------------------------------------------------------
-# formatting
+# verdicts
 # ----------------------------------------------------------------------------------------------
 
-def _is_sample_row(r) -> bool:
-    return r is not None and (r.get("git_sha") == SAMPLE_SHA or r.get("gpu_name") == SAMPLE_GPU)
+KINDS = ("matched", "within noise", "missed", "exceeded", "differs", "predicted", "not reproducible here",
+         "not comparable", "not measured")
+MEASURED_KINDS = ("matched", "within noise", "missed", "exceeded", "differs")
+CROSS_COMMIT = "‡"  # a ratio of two rows measured by different commits
 
 
-def _where_text(r: pd.Series) -> str:
-    bits = [f"{r['_sweep']}/{r['point']}"]
-    if r["variant"] not in ("default", ""):
-        bits.append(r["variant"])
-    return ", ".join(bits)
+@dataclass(frozen=True)
+class Verdict:
+    """What a claim's rows say about it: ``kind`` (one of ``KINDS``) and a ``detail`` for people."""
+
+    kind: str
+    detail: str = ""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown verdict kind {self.kind!r}; valid: {', '.join(KINDS)}")
+
+    def __str__(self) -> str:
+        return f"{self.kind} ({self.detail})" if self.detail else self.kind
+
+    def plus(self, more: str) -> "Verdict":
+        """The same kind with ``more`` added to the detail."""
+        if not more:
+            return self
+        return Verdict(self.kind, f"{self.detail}; {more}" if self.detail else more)
 
 
-def _status_text(r: pd.Series) -> str:
-    st = status_short(r)
-    err = str(r.get("error") or "").strip()
-    return f"{st}" + (f" ({_short(err, 70)})" if err else "")
+def _num(v) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(f) else f
 
 
-def _short(s: str, n: int) -> str:
-    s = " ".join(str(s).split()).replace("|", "/")
-    return s if len(s) <= n else s[: n - 1] + "…"
+def _gib(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
 
 
 def _pct(x: float) -> str:
     return f"{x * 100:+.1f}%"
 
 
-def _value_verdict(ours: float, paper: float, tol: float, lower_bound: bool = False) -> str:
-    d = ours / paper - 1
-    if lower_bound and ours >= paper:
-        return f"matched (≥ {paper:g}; {_pct(d)})"
-    if abs(d) <= tol:
-        return f"matched ({_pct(d)})"
-    if d < 0:
-        return f"missed by {abs(d) * 100:.0f}%"
-    return f"exceeded by {d * 100:.0f}%"
-
-
-def _ours_hw(r: pd.Series | None, rows: pd.DataFrame) -> str:
-    if r is None:
-        gpus = [g for g in dict.fromkeys(rows.get("gpu_name", pd.Series(dtype=str))) if g] if not rows.empty else []
-        return ", ".join(gpus[:2]) or "?"
-    gpu = r.get("gpu_name") or "?"
-    if r.get("emulated"):
-        return f"{r['hardware']} emulated on {gpu}"
-    hw = r.get("hardware") or ""
-    return gpu if not hw or hw in gpu else f"{hw} ({gpu})"
-
-
-VERDICT_KINDS = ("matched", "missed", "exceeded", "differs", "not comparable", "not reproducible here",
-                 "not measured")
-
-
-def _verdict_kind(v: str) -> str:
-    return next((k for k in VERDICT_KINDS if v.startswith(k)), v)
+def _short(s: str, n: int) -> str:
+    s = " ".join(str(s).split()).replace("|", "/")
+    return s if len(s) <= n else s[: n - 1] + "…"
 
 
 def _hw_short(hw_names: dict, key: str) -> str:
@@ -284,460 +260,379 @@ def _hw_long(hw_names: dict, key: str) -> str:
     return v[1] if isinstance(v, (list, tuple)) and len(v) > 1 else str(v)
 
 
-def _host_ram(r) -> float | None:
-    v = r.get("host_ram_gib") if r is not None else None
-    return float(v) if v is not None and pd.notna(v) else None
+# -- what a row says about itself ---------------------------------------------------------------
+
+def regime(r) -> str:
+    """The row's placement and clipping regime in words ("" where the row has neither)."""
+    parts = []
+    g, h = _num(r.get("gpu_tier_layers")), _num(r.get("host_tier_layers"))
+    if r.get("system") == "megatrain":
+        if g is None or h is None:
+            parts.append("placement unknown")
+        elif h == 0:
+            parts.append(f"all {int(g)} layers on the GPU tier, nothing streamed")
+        elif g == 0:
+            parts.append(f"pure streaming, all {int(h)} layers from the host")
+        else:
+            parts.append(f"tiered, {int(g)} of {int(g + h)} layers on the GPU tier")
+    clipped, timed, mgn = _num(r.get("steps_clipped")), _num(r.get("timed_steps")), _num(r.get("max_grad_norm"))
+    if mgn is not None and mgn <= 0:
+        parts.append("no clipping")
+    elif clipped is not None and timed:
+        parts.append(f"clipping fired {int(clipped)} of {int(timed)} timed steps")
+    elif r.get("status") == "ok":
+        parts.append("clipping unknown")
+    return ", ".join(parts)
 
 
+def streams_like_the_paper(r) -> bool | None:
+    """Whether a MegaTrain row streams layers from the host, as the paper's engine always does (None: unknown)."""
+    h = _num(r.get("host_tier_layers"))
+    return None if h is None else h > 0
 
 
-def _num(v) -> float | None:
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
+def tflops_range(r) -> tuple[float, float] | None:
+    """(low, high) TFLOPS of the row's slowest and fastest timed step; None without a spread."""
+    t, med = _num(r.get("tflops")), _num(r.get("step_time_median_s"))
+    lo, hi = _num(r.get("step_time_max_s")), _num(r.get("step_time_min_s"))
+    if None in (t, med, lo, hi) or not med or (_num(r.get("timed_steps")) or 0) < 2:
         return None
-    return None if pd.isna(f) else f
+    return t * med / lo, t * med / hi
 
 
-def _gib(x: float) -> str:
-    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
-
-
-# ----------------------------------------------------------------------------------------------
-# rows not launched because they would not fit
-# ----------------------------------------------------------------------------------------------
-
-_MEMORY_WORDS = re.compile(r"\bRAM\b|memory|estimate|host needs|\bfit\b", re.I)
-_GIB_NUM = r"(\d[\d,]*(?:\.\d+)?)\s*GiB"
-
-
-@dataclass(frozen=True)
-class MemoryLimit:
-    """A point this machine cannot hold: which memory, and the GiB it needs / has (None: unknown).
-    ``available`` is the skip text's "available" figure, shown only when it, not ``have``, explains it."""
-    memory: str  # "host RAM" | "GPU memory"
-    need: float | None
-    have: float | None
-    available: float | None = None
-
-    @property
-    def _machine(self) -> str:
-        return "host" if self.memory == "host RAM" else "GPU"
-
-    @property
-    def _by_available(self) -> bool:
-        """It fits the machine's total but not what was free then: the skip text's 'available' explains it."""
-        return None not in (self.need, self.have, self.available) and self.need <= self.have
-
-    def _have_text(self) -> str:
-        if self.have is None:
-            return ""
-        avail = f", {_gib(self.available)} GiB available" if self._by_available else ""
-        return f" (this {self._machine}: {_gib(self.have)} GiB{avail})"
-
-    def _more_than(self) -> str:
-        have = f"'s {_gib(self.have)} GiB" if self.have is not None else " has"
-        return f"needs more {self.memory} than this {self._machine}{have}"
-
-    def needs(self) -> str:
-        """'needs ~X GiB host RAM (this host: Y GiB)'."""
-        if self.need is None:
-            return self._more_than()
-        return f"needs ~{_gib(self.need)} GiB {self.memory}{self._have_text()}"
-
-    def predicted(self) -> str:
-        """'needs ~X GiB host RAM > Y GiB'."""
-        if self.need is None:
-            return self._more_than()
-        limit = self.available if self._by_available else self.have
-        return f"needs ~{_gib(self.need)} GiB {self.memory}" + (f" > {_gib(limit)} GiB" if limit is not None else "")
-
-    def verdict(self, who: str = "") -> str:
-        return f"not reproducible here: {who + ' ' if who else ''}{self.needs()}"
-
-
-def _skip_text_gib(err: str) -> tuple[float | None, float | None]:
-    """(needed, available) GiB in a skip text such as 'skipped: engine plan: host needs 812.3 GiB (...) >
-    available host RAM 120.1 GiB': the first 'needs X GiB', else the last 'X GiB' before ' > '; and the
-    first 'Y GiB' after ' > '."""
-    head, _, tail = err.partition(" > ")
-    m = re.search(r"needs\s+~?" + _GIB_NUM, err)
-    before = re.findall(_GIB_NUM, head)
-    need = m.group(1) if m else (before[-1] if before else None)
-    after = re.search(_GIB_NUM, tail)
-    return (_num(need.replace(",", "")) if need else None,
-            _num(after.group(1).replace(",", "")) if after else None)
-
-
-def memory_limit(r) -> MemoryLimit | None:
-    """Why a skipped row was not launched, when it was for memory: its error text ("skipped: ...") speaks
-    of host RAM / GPU memory, or it has no reason and its host estimate exceeds the host's RAM. The host
-    estimate and RAM come from the row's columns (``host_estimate_gib``, ``host_ram_gib``), else from
-    the text. None for any other row."""
-    if r is None or r.get("status") != "skipped":
+def spreads_overlap(a, b) -> bool | None:
+    """Whether the TFLOPS ranges of two rows' timed steps (``tflops_range``) overlap: their difference is
+    then inside the noise of the measurement. None when either has fewer than two timed steps."""
+    ra, rb = tflops_range(a), tflops_range(b)
+    if ra is None or rb is None:
         return None
-    err = " ".join(str(r.get("error") or "").split())
-    est, ram = _num(r.get("host_estimate_gib")), _host_ram(r)
-    over = est is not None and ram is not None and est > ram
-    reason = err.split(":", 1)[1] if err.lower().startswith("skipped:") else err
-    if not (_MEMORY_WORDS.search(reason) or (over and not reason.strip())):
-        return None
-    text_need, text_avail = _skip_text_gib(err)
-    if re.search(r"gpu memory", err, re.I) and not re.search(r"\bRAM\b", err):
-        return MemoryLimit("GPU memory", text_need, text_avail if text_avail is not None
-                           else _num(r.get("gpu_mem_cap_gib")))
-    need = est if est is not None and (over or text_need is None) else text_need
-    return MemoryLimit("host RAM", need, ram if ram is not None else text_avail, text_avail)
+    return ra[0] <= rb[1] and rb[0] <= ra[1]
 
 
-def _host_oom_limit(r) -> MemoryLimit | None:
-    """A row that ran out of host RAM where the engine's estimate said it would."""
-    est, ram = _num(r.get("host_estimate_gib")), _host_ram(r)
-    if r.get("status") == "host_oom" and est is not None and ram is not None and est > ram:
-        return MemoryLimit("host RAM", est, ram)
-    return None
+def _same_machine(a, b) -> bool:
+    return str(a.get("gpu_name") or "") == str(b.get("gpu_name") or "")
 
 
-# The row's point was stopped by the run's time budget, not by its own timeout: nothing to judge yet.
-BUDGET_CUT_VERDICT = "not measured (budget cut: the run's time_budget_s stopped the point; a rerun retries it)"
+def _commit_mark(a, b) -> str:
+    """"" when both rows come from one commit, else the mark and both commits."""
+    sa, sb = short_sha(a), short_sha(b)
+    if sa == sb:
+        return ""
+    return f"{CROSS_COMMIT} across commits: git {sa or '?'} vs {sb or '?'}"
 
 
-def _host_oom_verdict(r, who: str) -> str:
-    """A baseline killed for host RAM: the paper's host had more, so its ratio cannot be judged here.
-    With the engine's estimate over the host's RAM the estimate is the need; otherwise (a system that uses
-    more than the estimate's 12 B/param) the RSS it was killed at says how far it got."""
-    lim = _host_oom_limit(r)
-    if lim is not None:
-        return lim.verdict(who)
-    rss, ram = _num(r.get("host_peak_rss_gib")), _host_ram(r)
-    at = f" (killed at ~{_gib(rss)} GiB RSS" + (f" of this host's {_gib(ram)} GiB)" if ram is not None else ")") \
-        if rss is not None else ""
-    return f"not reproducible here: {who} ran out of host RAM{at}; MegaTrain ran"
+def memory_text(r) -> str:
+    """'needs ~X GiB host RAM (this host: Y GiB)' from the row's need/have fields ("" for other rows)."""
+    reason = r.get("reason")
+    if reason == "host_memory":
+        need, have = _num(r.get("need_host_gib")), _num(r.get("have_host_gib"))
+        mem = "host RAM"
+    elif reason in ("gpu_memory", "plan_gpu"):
+        need, have = _num(r.get("need_gpu_gib")), _num(r.get("have_gpu_gib"))
+        mem = "GPU memory"
+    else:
+        return ""
+    if need is None:
+        return f"needs more {mem} than this machine has"
+    return f"needs ~{_gib(need)} GiB {mem}" + (f", {_gib(have)} GiB available" if have is not None else "")
 
 
-# ----------------------------------------------------------------------------------------------
-# evidence: engine benchmark rows (JSONL) for a claim no sweep row covers
-# ----------------------------------------------------------------------------------------------
-
-def _evidence_rows(path: Path) -> list[dict]:
-    if not path.exists():
-        raise ClaimsError(f"evidence file {path} does not exist")
-    with path.open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+def is_memory_skip(r) -> bool:
+    return r is not None and r.get("status") == "skipped" and r.get("reason") in ("host_memory", "gpu_memory")
 
 
-def _row_matches(row: dict, where: dict) -> bool:
-    for key, val in where.items():
-        if key not in row:
-            return False
-        if isinstance(val, str) or isinstance(row[key], str):
-            if str(row[key]) != str(val):
-                return False
-        elif _num(row[key]) is None or abs(float(row[key]) - float(val)) > 1e-6 * max(1.0, abs(float(val))):
-            return False
-    return True
+def _status_text(r) -> str:
+    st = status_short(r)
+    mem = memory_text(r)
+    return f"{st} ({mem})" if mem else st
 
 
-def _evidence_value(ev: dict, where: dict, metric: str) -> tuple[float | None, str]:
-    """(best value of ``metric`` among the file's rows matching ``where``, or None; what the file says
-    when no row has a value: 'no matching row' or the failed row's error)."""
-    rows = [r for r in _evidence_rows(ROOT / ev["file"]) if _row_matches(r, where)]
-    vals = [float(r[metric]) for r in rows if _num(r.get(metric)) is not None]
-    if vals:
-        return max(vals), ""
-    errors = [str(r["error"]) for r in rows if r.get("error")]
-    return None, (f"failed: {_short(errors[0], 60)}" if errors else "no matching row")
+def _failed(r, who: str = "") -> Verdict:
+    """The row gave no number: why, as a verdict."""
+    who_ = f"{who} " if who else ""
+    reason = r.get("reason")
+    if reason == "plan_gpu":
+        return Verdict("missed", f"{who_}the engine's plan refuses the GPU side: {memory_text(r)}; a limit of "
+                                 f"the engine")
+    if reason in ("host_memory", "gpu_memory"):
+        return Verdict("not reproducible here", f"{who_}not launched: {memory_text(r)}")
+    if reason == "needs_gpu":
+        return Verdict("not measured", f"{who_}needs a GPU")
+    if reason == "budget_cut":
+        return Verdict("not measured", "budget cut: the run's time_budget_s stopped the point; a rerun retries it")
+    if r.get("status") == "skipped":
+        return Verdict("not measured", "skipped")
+    return Verdict("missed", f"{who_}{status_short(r)}")
 
 
-def _evaluate_evidence(claim: dict, out: dict, unit: str, tol: float) -> dict:
-    """A claim with no sweep row, judged on its evidence file (absolute, or relative to a reference row)."""
-    ev = claim["evidence"]
-    metric = ev.get("metric", claim.get("metric", "tflops"))
-    src = f"[{ev['file']}]"
-    value, why = _evidence_value(ev, ev["where"], metric)
-    if value is None:
-        out.update(ours=f"{why} {src}", verdict="missed (evidence row failed)" if why.startswith("failed")
-                   else "not measured")
-        return out
-    if claim["compare"] == "absolute":
-        out.update(ours=f"{value:.1f} {unit} {src}",
-                   verdict=_value_verdict(value, float(claim["paper"]), tol, bool(claim.get("paper_min"))))
-        return out
-    ref, why = _evidence_value(ev, {**ev["where"], **ev["reference"]}, metric)
-    if ref is None or ref <= 0:
-        out.update(ours=f"{value:.1f} {unit}; reference {why} {src}", verdict="not comparable (no reference point)")
-        return out
-    ratio, pr = value / ref, float(claim["paper"]) / float(claim["paper_reference"])
-    out.update(ours=f"{value:.1f} {unit} ({ratio:.3f}× of {ref:.1f}, {_pct(ratio - 1)}) {src}",
-               verdict=_value_verdict(ratio, pr, tol) + " (on the ratio)")
-    return out
+def _value_verdict(ours: float, paper: float, tol: float, lower_bound: bool = False,
+                   noise: tuple[float, float] | None = None) -> Verdict:
+    d = ours / paper - 1
+    if lower_bound and ours >= paper:
+        return Verdict("matched", f"≥ {paper:g}; {_pct(d)}")
+    if abs(d) <= tol:
+        return Verdict("matched", _pct(d))
+    if noise is not None and noise[0] <= paper <= noise[1]:
+        return Verdict("within noise", f"{_pct(d)}, but the paper's value lies inside our timed steps' spread")
+    if d < 0:
+        return Verdict("missed", f"by {abs(d) * 100:.0f}%")
+    return Verdict("exceeded", f"by {d * 100:.0f}%")
 
 
-# ----------------------------------------------------------------------------------------------
-# evaluating claims
-# ----------------------------------------------------------------------------------------------
+# -- judging ------------------------------------------------------------------------------------
 
 @dataclass
-class _Ctx:
-    """What every compare kind needs: the claim, all rows, the first system's row (or None)."""
-    claim: dict
-    rows: pd.DataFrame
-    r: pd.Series | None
-    out: dict
-    tol: float
-    metric: str
-    unit: str
-    emulated: bool
+class Judged:
+    """One claim's line in the report."""
+    id: str
+    claim: str
+    section: str
+    paper: str
+    ours: str
+    hardware: str
+    verdict: Verdict
+    sample: bool = False
+    source: str | None = None
+    note: str | None = None
 
 
-def evaluate_claim(claim: dict, rows: pd.DataFrame, tol: float, hw_names: dict) -> dict:
-    """One report row: {'id', 'claim', 'section', 'paper', 'ours', 'hardware', 'verdict', 'sample',
-    'source', 'note'}."""
+def _is_sample_row(r) -> bool:
+    return r is not None and (r.get("git_sha") == SAMPLE_SHA or r.get("gpu_name") == SAMPLE_GPU)
+
+
+def _where_text(r) -> str:
+    bits = [f"{r['_sweep']}/{r['point']}"]
+    if r["variant"] not in ("default", ""):
+        bits.append(r["variant"])
+    return ", ".join(bits)
+
+
+def _ours_hw(r, rows: pd.DataFrame) -> str:
+    if r is None:
+        gpus = [g for g in dict.fromkeys(rows.get("gpu_name", pd.Series(dtype=str))) if g] if not rows.empty else []
+        return ", ".join(gpus[:2]) or "?"
+    gpu = r.get("gpu_name") or "?"
+    if r.get("emulated"):
+        return f"{r['hardware']} emulated on {gpu}"
+    hw = r.get("hardware") or ""
+    return gpu if not hw or hw in gpu else f"{hw} ({gpu})"
+
+
+def _fmt(v: float, unit: str) -> str:
+    return f"{v:.1f} {unit}"
+
+
+def _with_regime(v: Verdict, r) -> Verdict:
+    """Add the row's placement/clipping, and say so where the paper streams and our row does not."""
+    text = regime(r)
+    if r.get("system") == "megatrain" and streams_like_the_paper(r) is False:
+        text += " — the paper streams every layer, this row streams none"
+    return v.plus(text)
+
+
+def evaluate_claim(claim: dict, rows: pd.DataFrame, tol: float, hw_names: dict) -> Judged:
+    """One claim judged on ``rows`` (every sweep's rows, ``_all_rows``)."""
     metric = claim.get("metric", "tflops")
+    unit = "TFLOPS" if metric == "tflops" else metric
     paper_hw = _hw_short(hw_names, claim.get("paper_hardware", "?"))
     systems = claim["system"] if isinstance(claim["system"], list) else [claim["system"]]
     r, _ = _find(rows, claim, systems[0], dict(claim.get("where") or {}))
-    out = {"id": claim["id"], "claim": claim["claim"], "section": claim["section"], "sample": _is_sample_row(r),
-           "source": claim.get("source"), "note": claim.get("note"),
-           "hardware": f"paper: {paper_hw} → ours: {_ours_hw(r, rows)}"}
-    ctx = _Ctx(claim, rows, r, out, tol, metric, "TFLOPS" if metric == "tflops" else metric,
-               bool(r is not None and r.get("emulated")))
-    evaluate = {"absolute": _absolute, "ratio": _ratio, "relative": _relative, "status": _status,
-                "trains": _trains}.get(claim["compare"])
-    if evaluate is None:
+    j = Judged(id=claim["id"], claim=claim["claim"], section=claim["section"], paper="", ours="not measured",
+               hardware=f"paper: {paper_hw} → ours: {_ours_hw(r, rows)}", verdict=Verdict("not measured"),
+               sample=_is_sample_row(r), source=claim.get("source"), note=claim.get("note"))
+    judge = {"absolute": _absolute, "ratio": _ratio, "relative": _relative, "status": _status,
+             "trains": _trains}.get(claim["compare"])
+    if judge is None:
         raise ClaimsError(f"claim {claim['id']}: unknown compare {claim['compare']!r}")
-    return evaluate(ctx, paper_hw)
+    judge(j, claim, rows, r, tol, metric, unit, paper_hw, hw_names)
+    return j
 
 
-def _not_measured(out: dict) -> dict:
-    out.update(ours="not measured", verdict="not measured")
-    return out
-
-
-_PLAN_GPU = re.compile(r"engine plan: GPU needs\s+" + _GIB_NUM + r".*?=\s*" + _GIB_NUM + r"\)")
-
-
-def plan_gpu_refusal(r) -> str | None:
-    """MegaTrain skipped because its own placement plan does not fit the GPU side (the streaming working set,
-    the gradients that wait for the step's norm and the margin; since grad_placement=auto the host tier's
-    gradients wait on the host when that helps, so a row after it is refused with them there): a limit of
-    the engine, which more host RAM would not lift, so the verdict is "missed", with the plan's numbers.
-    None for any other row."""
-    if r is None or r.get("status") != "skipped" or r.get("system") != "megatrain":
-        return None
-    m = _PLAN_GPU.search(" ".join(str(r.get("error") or "").split()))
-    if not m:
-        return None
-    return f"missed (the engine's plan refuses the GPU side: needs {m.group(1)} GiB > {m.group(2)} GiB usable)"
-
-
-def _failed(out: dict, r: pd.Series, who: str = "") -> dict:
-    """The selected row gave no number: missed (the engine's plan refuses the GPU side, or it ran and
-    failed), not reproducible here (skipped for host memory) or not measured (skipped otherwise)."""
-    lim = memory_limit(r)
-    out["ours"] = f"{who + ' ' if who else ''}{_status_text(r)} [{_where_text(r)}]"
-    if plan_gpu_refusal(r):
-        out["verdict"] = plan_gpu_refusal(r)
-    elif lim is not None:
-        out["verdict"] = lim.verdict()
-    elif r["status"] == "skipped":
-        out["verdict"] = "not measured (skipped)"
-    else:
-        st = status_short(r)
-        out["verdict"] = (BUDGET_CUT_VERDICT if st == "budget cut" else
-                          f"missed ({who} did not run)" if who else f"missed ({st})")
-    return out
-
-
-def _no_number(r: pd.Series, metric: str) -> bool:
-    return r["status"] != "ok" or pd.isna(r[metric])
-
-
-def _absolute(c: _Ctx, paper_hw: str) -> dict:
-    claim, out, r, metric, unit = c.claim, c.out, c.r, c.metric, c.unit
-    out["paper"] = f"{claim.get('paper_text', claim['paper'])} {unit}"
+def _absolute(j, claim, rows, r, tol, metric, unit, paper_hw, hw_names):
+    j.paper = f"{claim.get('paper_text', claim['paper'])} {unit}"
     if r is None:
-        return _evaluate_evidence(claim, out, unit, c.tol) if claim.get("evidence") else _not_measured(out)
-    if _no_number(r, metric):
-        return _failed(out, r)
+        return
+    if r["status"] != "ok" or _num(r[metric]) is None:
+        j.ours, j.verdict = f"{_status_text(r)} [{_where_text(r)}]", _failed(r)
+        return
     ours = float(r[metric])
-    txt = f"{ours:.1f} {unit}"
-    z = _same_point(c.rows, r, "zero3") if r["system"] == "megatrain" else None
-    if z is not None:
-        other = _other_run(r, z)
-        where = f" at this point{other}" if other else " in the same run"
-        if z["status"] == "ok" and pd.notna(z[metric]) and z[metric] > 0:
-            txt += f" (= {ours / float(z[metric]):.2f}× ZeRO-3{where})"
-        else:
-            txt += f" (ZeRO-3{where}: {status_short(z)})"
-    out["ours"] = f"{txt} [{_where_text(r)}]"
-    v = _value_verdict(ours, float(claim["paper"]), c.tol, bool(claim.get("paper_min")))
-    out["verdict"] = f"not comparable (emulated profile, H200 compute; {v})" if c.emulated else v
-    return out
+    j.ours = f"{_fmt(ours, unit)} [{_where_text(r)}]"
+    v = _value_verdict(ours, float(claim["paper"]), tol, bool(claim.get("paper_min")),
+                       tflops_range(r) if metric == "tflops" else None)
+    if r.get("emulated"):
+        v = Verdict("not comparable", f"emulated profile, the real GPU's compute; {v}")
+    j.verdict = _with_regime(v, r)
 
 
-def _ratio(c: _Ctx, paper_hw: str) -> dict:
-    claim, out, r, metric, unit = c.claim, c.out, c.r, c.metric, c.unit
-    base = claim["baseline"]
-    out["paper"] = f"{float(claim['paper']):.2f}×"
-    if r is None:
-        return _not_measured(out)
-    if _no_number(r, metric):
-        return _failed(out, r, "MegaTrain")
-    b = _same_point(c.rows, r, base)
-    bname = record(base).short
-    if b is None:
-        out.update(ours=f"{r[metric]:.1f} {unit}; {bname} not in this sweep [{_where_text(r)}]", verdict="not measured")
-        return out
-    other = _other_run(r, b)
-    if b["status"] != "ok" or pd.isna(b[metric]) or b[metric] <= 0:
-        st = status_short(b)
-        lim = memory_limit(b)
-        out["ours"] = f"{r[metric]:.1f} {unit} vs {bname} {st}{other} → ∞ [{_where_text(r)}]"
-        if lim is not None:
-            out["verdict"] = lim.verdict(bname)
-        elif b["status"] == "host_oom":  # this host's RAM, not the paper's: no ratio to judge
-            out["verdict"] = _host_oom_verdict(b, bname)
-        else:
-            out["verdict"] = (f"exceeded ({bname} {st}, MegaTrain ran)" if b["status"] in OOM
-                              else f"not comparable ({bname} {st})")
-        if c.emulated:
-            out["verdict"] += "; emulated profile"
-        return out
+def _pair_ratio(r, b, metric) -> tuple[float, str, str]:
+    """(ratio r/b, cross-commit mark or "", noise note or "")."""
     ratio = float(r[metric]) / float(b[metric])
-    out["ours"] = f"{ratio:.2f}× ({r[metric]:.1f} / {b[metric]:.1f} {unit}{other}) [{_where_text(r)}]"
-    out["verdict"] = _value_verdict(ratio, float(claim["paper"]), c.tol) + ("; emulated profile" if c.emulated else "")
-    if other:
-        out["verdict"] += f"; {bname} from another run"
-    slow_start = [f"{who} not at steady state ({x.get('steady_note')})" for who, x in (("MegaTrain", r), (bname, b))
-                  if x.get("steady_note")]  # experiments.steady: its median overstates its step time
-    if slow_start:
-        out["verdict"] += "; " + "; ".join(slow_start)
-    out["sample"] = out["sample"] or _is_sample_row(b)
-    return out
+    noise = "within the timed steps' spread" if spreads_overlap(r, b) else ""
+    return ratio, _commit_mark(r, b), noise
 
 
-def _relative(c: _Ctx, paper_hw: str) -> dict:
-    claim, out, r, metric, unit = c.claim, c.out, c.r, c.metric, c.unit
+def _ratio_verdict(ratio: float, paper_ratio: float, tol: float, noise: str) -> Verdict:
+    v = _value_verdict(ratio, paper_ratio, tol)
+    if noise and v.kind != "matched":
+        return Verdict("within noise", f"{_pct(ratio - 1)} between the two rows, {noise}; paper {paper_ratio:.2f}×")
+    return v
+
+
+def _ratio(j, claim, rows, r, tol, metric, unit, paper_hw, hw_names):
+    base = claim["baseline"]
+    bname = record(base).short
+    j.paper = f"{float(claim['paper']):.2f}×"
+    if r is None:
+        return
+    if r["status"] != "ok" or _num(r[metric]) is None:
+        j.ours, j.verdict = f"MegaTrain {_status_text(r)} [{_where_text(r)}]", _failed(r, "MegaTrain")
+        return
+    b = _same_point(rows, r, base)
+    if b is None:
+        j.ours = f"{_fmt(float(r[metric]), unit)}; {bname} not in this sweep [{_where_text(r)}]"
+        return
+    j.sample = j.sample or _is_sample_row(b)
+    if not _same_machine(r, b):
+        j.ours = f"MegaTrain on {r['gpu_name']}, {bname} on {b['gpu_name']} [{_where_text(r)}]"
+        j.verdict = Verdict("not comparable", "rows of two machines")
+        return
+    if b["status"] != "ok" or _num(b[metric]) is None or float(b[metric]) <= 0:
+        j.ours = f"{_fmt(float(r[metric]), unit)} vs {bname} {_status_text(b)} [{_where_text(r)}]"
+        if b["status"] == "gpu_oom":
+            v = Verdict("exceeded", f"{bname} ran out of GPU memory, MegaTrain ran")
+        elif b["status"] == "host_oom":
+            rss = _num(b.get("host_peak_rss_gib"))
+            v = Verdict("not reproducible here", f"{bname} ran out of this host's RAM"
+                        + (f" at ~{_gib(rss)} GiB" if rss else "") + "; MegaTrain ran")
+        elif b["status"] == "skipped":
+            v = _failed(b, bname)
+        else:
+            v = Verdict("not comparable", f"{bname} {status_short(b)}")
+        j.verdict = _with_regime(v, r)
+        return
+    ratio, mark, noise = _pair_ratio(r, b, metric)
+    j.ours = (f"{ratio:.2f}×{CROSS_COMMIT if mark else ''} ({float(r[metric]):.1f} / {float(b[metric]):.1f} {unit}) "
+              f"[{_where_text(r)}]")
+    v = _ratio_verdict(ratio, float(claim["paper"]), tol, noise).plus(mark)
+    if r.get("emulated"):
+        v = v.plus("emulated profile")
+    j.verdict = _with_regime(v, r)
+
+
+def _relative(j, claim, rows, r, tol, metric, unit, paper_hw, hw_names):
     pref = float(claim["paper_reference"])
     pr = float(claim["paper"]) / pref
     ref_label = ", ".join(f"{k}={v}" for k, v in (claim.get("reference") or {}).items())
-    out["paper"] = f"{claim.get('paper_text', claim['paper'])} {unit} ({pr:.3f}× of {pref:g}, {_pct(pr - 1)})"
+    j.paper = f"{claim.get('paper_text', claim['paper'])} {unit} ({pr:.3f}× of {pref:g}, {_pct(pr - 1)})"
     if r is None:
-        return _evaluate_evidence(claim, out, unit, c.tol) if claim.get("evidence") else _not_measured(out)
-    if _no_number(r, metric):
-        return _failed(out, r)
+        return
+    if r["status"] != "ok" or _num(r[metric]) is None:
+        j.ours, j.verdict = f"{_status_text(r)} [{_where_text(r)}]", _failed(r)
+        return
     ref_where = {**(claim.get("where") or {}), **(claim.get("reference") or {})}
-    ref, _ = _find(c.rows, {**claim, "sweeps": [r["_sweep"]]}, r["system"], ref_where)
-    if ref is None or ref["status"] != "ok" or pd.isna(ref[metric]) or ref[metric] <= 0:
-        lim = memory_limit(ref)
-        out["ours"] = (f"{r[metric]:.1f} {unit}; reference ({ref_label}) "
-                       f"{'absent' if ref is None else _status_text(ref)} [{_where_text(r)}]")
-        out["verdict"] = lim.verdict(f"the reference ({ref_label})") if lim else "not comparable (no reference point)"
-        return out
-    ratio = float(r[metric]) / float(ref[metric])
-    out["ours"] = f"{r[metric]:.1f} {unit} ({ratio:.3f}× of {ref[metric]:.1f}, {_pct(ratio - 1)}) [{_where_text(r)}]"
-    out["verdict"] = _value_verdict(ratio, pr, c.tol) + " (on the ratio)"
-    out["sample"] = out["sample"] or _is_sample_row(ref)
-    return out
+    ref, _ = _find(rows, {**claim, "sweeps": [r["_sweep"]]}, r["system"], ref_where)
+    if ref is None or ref["status"] != "ok" or _num(ref[metric]) is None or float(ref[metric]) <= 0:
+        j.ours = (f"{_fmt(float(r[metric]), unit)}; reference ({ref_label}) "
+                  f"{'absent' if ref is None else _status_text(ref)} [{_where_text(r)}]")
+        j.verdict = _failed(ref, f"the reference ({ref_label})") if ref is not None and ref["status"] != "ok" \
+            else Verdict("not comparable", "no reference point")
+        return
+    j.sample = j.sample or _is_sample_row(ref)
+    if not _same_machine(r, ref):
+        j.verdict = Verdict("not comparable", "the point and its reference come from two machines")
+        return
+    ratio, mark, noise = _pair_ratio(r, ref, metric)
+    j.ours = (f"{_fmt(float(r[metric]), unit)} ({ratio:.3f}×{CROSS_COMMIT if mark else ''} of "
+              f"{float(ref[metric]):.1f}, {_pct(ratio - 1)}) [{_where_text(r)}]")
+    j.verdict = _with_regime(_ratio_verdict(ratio, pr, tol, noise).plus("on the ratio").plus(mark), r)
 
 
-def _status(c: _Ctx, paper_hw: str) -> dict:
-    """The paper says each system runs out of memory here: matched when each of ours did (OOM) or was not
-    launched because the memory rule predicts it does not fit."""
-    claim, out, metric, unit = c.claim, c.out, c.metric, c.unit
+def _status(j, claim, rows, r, tol, metric, unit, paper_hw, hw_names):
+    """The paper says each system runs out of memory here: matched when each of ours ran out of memory;
+    predicted when some were never launched because the memory rule says they do not fit."""
     systems = claim["system"] if isinstance(claim["system"], list) else [claim["system"]]
-    out["paper"] = "OOM" if len(systems) == 1 else "all OOM"
+    j.paper = "OOM" if len(systems) == 1 else "all OOM"
     parts, n = [], {"ok": 0, "oom": 0, "predicted": 0, "missing": 0, "other": 0}
-    hw_row, predicted = None, []
+    hw_row = None
     for s in systems:
-        rs, _ = _find(c.rows, claim, s, dict(claim.get("where") or {}))
+        rs, _ = _find(rows, claim, s, dict(claim.get("where") or {}))
         name = record(s).short
         if rs is None:
             parts.append(f"{name}: not measured")
             n["missing"] += 1
             continue
         hw_row = hw_row if hw_row is not None else rs
-        out["sample"] = out["sample"] or _is_sample_row(rs)
-        lim = memory_limit(rs)
+        j.sample = j.sample or _is_sample_row(rs)
         if rs["status"] == "ok":
-            parts.append(f"{name}: ran, {rs[metric]:.1f} {unit}")
+            parts.append(f"{name}: ran, {float(rs[metric]):.1f} {unit}")
             n["ok"] += 1
         elif rs["status"] in OOM:
             parts.append(f"{name}: {STATUS_SHORT[rs['status']]}")
             n["oom"] += 1
-        elif lim is not None:
-            parts.append(f"{name}: not launched ({lim.predicted()})")
-            predicted.append(lim)
+        elif is_memory_skip(rs):
+            parts.append(f"{name}: not launched ({memory_text(rs)})")
             n["predicted"] += 1
         else:
             parts.append(f"{name}: {_status_text(rs)}")
             n["other"] += 1
     if hw_row is not None:
-        out["hardware"] = f"paper: {paper_hw} → ours: {_ours_hw(hw_row, c.rows)}"
-    out["ours"] = "; ".join(parts) + (f" [{hw_row['_sweep']}/{hw_row['point']}]" if hw_row is not None else "")
-    out["verdict"] = _status_verdict(n, len(systems), predicted)
-    return out
-
-
-def _status_verdict(n: dict, total: int, predicted: list[MemoryLimit]) -> str:
-    matched = n["oom"] + n["predicted"]
-    if matched == total:
-        if not predicted:
-            return "matched"
-        if not n["oom"]:
-            return f"matched (predicted: {predicted[0].predicted()}; not launched)"
-        return f"matched ({n['oom']} OOM, {n['predicted']} predicted)"
+        j.hardware = f"paper: {paper_hw} → ours: {_ours_hw(hw_row, rows)}"
+    j.ours = "; ".join(parts) + (f" [{hw_row['_sweep']}/{hw_row['point']}]" if hw_row is not None else "")
+    total = len(systems)
     if n["ok"]:
-        return f"differs ({n['ok']} of {total} ran)"
-    if n["missing"] == total:
-        return "not measured"
-    return f"matched for {matched} of {total}; rest not measured" if matched else "not measured (skipped/error)"
+        j.verdict = Verdict("differs", f"{n['ok']} of {total} ran")
+    elif n["oom"] == total:
+        j.verdict = Verdict("matched", "each ran out of memory")
+    elif n["oom"] + n["predicted"] == total:
+        j.verdict = Verdict("predicted", f"{n['predicted']} of {total} not launched: the memory rule predicts "
+                                         f"they do not fit" + (f"; {n['oom']} ran out of memory" if n["oom"] else ""))
+    else:
+        j.verdict = Verdict("not measured", "" if n["missing"] == total else "some rows missing or failed otherwise")
 
 
-def _trains(c: _Ctx, paper_hw: str) -> dict:
-    out, r, metric, unit = c.out, c.r, c.metric, c.unit
-    out["paper"] = "trains"
+def _trains(j, claim, rows, r, tol, metric, unit, paper_hw, hw_names):
+    j.paper = "trains"
     if r is None:
-        return _not_measured(out)
+        return
     est = _num(r.get("host_estimate_gib"))
     est_txt = f"; engine host estimate {est:,.0f} GiB" if est is not None else ""
     if r["status"] == "ok":
-        out["ours"] = f"trained, {r[metric]:.1f} {unit}{est_txt} [{_where_text(r)}]"
-        out["verdict"] = "matched" + ("; emulated profile" if c.emulated else "")
-        return out
-    out["ours"] = f"{_status_text(r)}{est_txt} [{_where_text(r)}]"
-    lim = memory_limit(r) or _host_oom_limit(r)
-    if plan_gpu_refusal(r):
-        out["verdict"] = plan_gpu_refusal(r) + (f"; host side ~{est:,.0f} GiB" if est is not None else "")
-    elif lim is not None:
-        fits = ("fits" if lim.need <= TB_1_5_GIB else "would not fit") if lim.need is not None else None
-        out["verdict"] = lim.verdict() + (f"; {fits} in 1.5 TB" if fits and lim.memory == "host RAM" else "")
-    elif r["status"] == "skipped":
-        out["verdict"] = "not measured (skipped)"
+        j.ours = f"trained, {float(r[metric]):.1f} {unit}{est_txt} [{_where_text(r)}]"
+        j.verdict = _with_regime(Verdict("matched").plus("emulated profile" if r.get("emulated") else ""), r)
+        return
+    j.ours = f"{_status_text(r)}{est_txt} [{_where_text(r)}]"
+    need = _num(r.get("need_host_gib"))
+    if r.get("reason") == "host_memory" and need is not None and claim.get("paper_host_gib") is not None \
+            and need > float(claim["paper_host_gib"]):
+        j.verdict = Verdict("missed", f"the engine's plan needs ~{_gib(need)} GiB of host RAM, more than the "
+                                      f"paper's {_gib(float(claim['paper_host_gib']))} GiB host: a limit of the engine")
+    elif r.get("reason") == "host_memory" and need is not None:
+        fits = "fits" if need <= TB_1_5_GIB else "would not fit"
+        j.verdict = _failed(r).plus(f"{fits} in 1.5 TB")
     else:
-        out["verdict"] = BUDGET_CUT_VERDICT if status_short(r) == "budget cut" else f"missed ({status_short(r)})"
-    return out
+        j.verdict = _failed(r)
 
 
-# ----------------------------------------------------------------------------------------------
-# summary
-# ----------------------------------------------------------------------------------------------
+# -- the summary --------------------------------------------------------------------------------
 
-def verdict_counts(evaluated: list[dict]) -> dict[str, int]:
-    """Claims per verdict kind, in ``VERDICT_KINDS`` order (kinds with none left out)."""
-    kinds = [_verdict_kind(e["verdict"]) for e in evaluated]
-    order = list(VERDICT_KINDS) + [k for k in dict.fromkeys(kinds) if k not in VERDICT_KINDS]
-    return {k: kinds.count(k) for k in order if k in kinds}
+def verdict_counts(judged: list[Judged]) -> dict[str, int]:
+    """Claims per verdict kind, in ``KINDS`` order (kinds with none left out)."""
+    kinds = [j.verdict.kind for j in judged]
+    return {k: kinds.count(k) for k in KINDS if k in kinds}
 
 
-def summary_lines(evaluated: list[dict], target: int = UNMEASURED_TARGET) -> list[str]:
-    """The verdict summary and the count of claims without a measured verdict against the target."""
-    counts = verdict_counts(evaluated)
-    unmeasured = [e["id"] for e in evaluated if _verdict_kind(e["verdict"]) == "not measured"]
-    return ["Verdict summary: " + ", ".join(f"{k}: {v}" for k, v in counts.items()) + ".", "",
-            f"Claims without a measured verdict: {len(unmeasured)} (not measured) — target ≤ {target}"
-            + (f" ({_id_list(unmeasured)})" if unmeasured else "") + ".", ""]
+def summary_lines(judged: list[Judged]) -> list[str]:
+    """The verdict summary: each kind counted apart, measured verdicts first."""
+    counts = verdict_counts(judged)
+    measured = sum(v for k, v in counts.items() if k in MEASURED_KINDS)
+    unmeasured = [j.id for j in judged if j.verdict.kind == "not measured"]
+    lines = [f"Verdict summary ({len(judged)} claims): {measured} measured — "
+             + (", ".join(f"{k}: {counts[k]}" for k in MEASURED_KINDS if k in counts) or "none")
+             + "; not measured against the paper — "
+             + (", ".join(f"{k}: {v}" for k, v in counts.items() if k not in MEASURED_KINDS) or "none") + "."]
+    if unmeasured:
+        lines += ["", f"Without any row: {_id_list(unmeasured)}."]
+    return lines + [""]
 
 
 def _id_list(ids: list[str], n: int = 12) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -227,12 +228,50 @@ def _nested_schema(cls, name: str):
     return None
 
 
+CONF_DIR = Path(__file__).resolve().parent / "conf"
+
+
+def group_choices(group: str) -> list[str]:
+    """The options of a config group: ``conf/<group>/*.yaml`` (models: the presets)."""
+    if group == "model":
+        from megatrain.spec import PRESETS
+
+        return list(PRESETS)
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def check_choices(args: list[str]) -> str | None:
+    """One line for a group choice that does not exist (``sweep=nope``, ``model=bogus``) naming the valid
+    ones, or for ``system.options...`` without ``system=`` (the options of which system?). None if fine."""
+    chosen = {}
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+~")
+        if key in GROUP_SCHEMAS:
+            chosen[key] = value
+    searchpath = any(a.lstrip("+~").startswith("hydra.searchpath") for a in args)  # other config folders
+    for group, value in ({} if searchpath else chosen).items():
+        valid = group_choices(group) + (["null"] if group == "system" else [])
+        if value not in valid:
+            return f"error: {group}={value} does not exist; valid: {', '.join(valid)}"
+    if "system" not in chosen and any(a.split("=", 1)[0].lstrip("+~").startswith("system.") for a in args
+                                      if "=" in a and not a.startswith("-")):
+        return (f"error: system.* overrides need the system they edit, e.g. system=megatrain "
+                f"(one of: {', '.join(group_choices('system'))})")
+    return None
+
+
 def check_overrides(args: list[str]) -> str | None:
     """A message for the first override whose key does not exist (listing the valid keys), else None.
 
-    Hydra itself rejects unknown keys, but without saying which exist; this runs first. Group choices
-    (``sweep=nope``) are left to hydra, whose message lists the available options.
+    Hydra itself rejects unknown keys, but without saying which exist; this runs first, after
+    ``check_choices`` (unknown group options, system.* without system=).
     """
+    choice = check_choices(args)
+    if choice:
+        return choice
     groups = set(GROUP_SCHEMAS)
     top = _fields(RunConfig)
     chosen_system = None

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .claims import _num, memory_limit
+from .claims import _num
 from .style import *  # noqa: F403
 from .style import _band_positions, _fail_handle, _finish, _legend, _new_figure, _safe_max, _set_band_ylim  # noqa: F401
 
@@ -41,8 +41,7 @@ def _host_side_kind(r) -> str | None:
     for kind, prefix, _ in HOST_SIDE_PANELS:
         if str(r["hardware"]).startswith(prefix):
             return kind
-    s = row_settings(r.get("settings"))
-    if _num(s.get("host_link_gbps")):
+    if _num(r.get("host_link_gbps")):
         return "link"
     return None
 
@@ -84,8 +83,8 @@ def _fail_reason(r) -> str:
     """'skip: needs 102.6 GiB' (a point not launched for memory: the report's rule, claims.memory_limit) or
     the status' short name."""
     short = "no value" if r["status"] == "ok" else status_short(r)
-    lim = memory_limit(r)
-    return f"{short}: needs {lim.need:.1f} GiB" if lim is not None and lim.need is not None else short
+    need = _num(r.get("need_host_gib")) if r.get("reason") == "host_memory" else None
+    return f"{short}: needs {need:.1f} GiB" if need is not None else short
 
 
 def _host_side_rows(df, results_dir=None):
@@ -95,8 +94,8 @@ def _host_side_rows(df, results_dir=None):
     df["_series"] = list(zip(df["model"].astype(str), df["variant"].astype(str)))
     df = df.drop_duplicates(subset=["_series", "hardware"], keep="last")
     real = df[df["_kind"] == "real"]
-    cores_all = [_num(row_settings(r.get("settings")).get("cpu_cores")) for _, r in df[df["_kind"] != "cores"].iterrows()]
-    real_cores = next((c for c in (_num(row_settings(r.get("settings")).get("cpu_cores")) for _, r in real.iterrows()) if c), None) \
+    cores_all = [_num(r.get("cpu_cores")) for _, r in df[df["_kind"] != "cores"].iterrows()]
+    real_cores = next((c for c in (_num(r.get("cpu_cores")) for _, r in real.iterrows()) if c), None) \
         or (max(c for c in cores_all if c) if any(cores_all) else None) \
         or next((REAL_HOST_CORES[h] for h in real["hardware"] if h in REAL_HOST_CORES), None)
     real_ram = _num(real["host_ram_gib"].max()) if not real.empty else None
@@ -106,12 +105,11 @@ def _host_side_rows(df, results_dir=None):
     def x_of(r, kind):
         if r["_kind"] == "real":
             return real_x[kind]
-        s = row_settings(r.get("settings"))
         prefix = dict((k, p) for k, p, _ in HOST_SIDE_PANELS)[kind]
         if kind == "cores":
-            return _num(s.get("cpu_cores")) or _profile_number(r["hardware"], prefix)
+            return _num(r.get("cpu_cores")) or _profile_number(r["hardware"], prefix)
         if kind == "link":
-            return _num(s.get("host_link_gbps")) or _profile_number(r["hardware"], prefix)
+            return _num(r.get("host_link_gbps")) or _profile_number(r["hardware"], prefix)
         return _num(r["host_ram_gib"]) or _profile_number(r["hardware"], prefix)
 
     for kind, _, _ in HOST_SIDE_PANELS:

@@ -19,8 +19,8 @@ import pandas as pd
 
 from baselines.registry import SYSTEMS, record
 
-from .claims import (CLAIMS_PATH, ClaimsError, _all_rows, _hw_long, _hw_short, _pct, _short, _verdict_kind,  # noqa: F401
-                     evaluate_claim, load_claims, summary_lines)
+from .claims import (CLAIMS_PATH, ClaimsError, _all_rows, _hw_long, _hw_short, _pct, _short, evaluate_claim,
+                     load_claims, spreads_overlap, summary_lines, tflops_range)
 from . import accuracy, phases
 from .config import H200_PEAK_TFLOPS, HARDWARE_ORDER
 from .figures import figures_for
@@ -36,7 +36,6 @@ SECTION_TITLES = {
     "context": "Context length (7B)",
     "hardware": "Other GPUs (our runs: emulated profiles on the H200)",
     "ablation": "Ablation (14B)",
-    "reference": "Reference baselines on our machine",
 }
 
 
@@ -152,11 +151,42 @@ def _dagger(r: pd.Series) -> str:
     return DAGGER if r.get("steady_note") else ""
 
 
-def _cell(r: pd.Series, metric: str) -> str:
+def _fmt_value(v: float) -> str:
+    return f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
+
+
+def metric_range(r, metric: str) -> tuple[float, float] | None:
+    """(low, high) of ``metric`` over the row's timed steps (slowest, fastest step); None under 2 steps."""
+    v, med = r.get(metric), r.get("step_time_median_s")
+    slow, fast, n = r.get("step_time_max_s"), r.get("step_time_min_s"), r.get("timed_steps")
+    if any(x is None or pd.isna(x) for x in (v, med, slow, fast, n)) or n < 2 or not fast:
+        return None
+    return float(v) * float(med) / float(slow), float(v) * float(med) / float(fast)
+
+
+def _overlap(a, b, metric: str) -> bool | None:
+    ra, rb = metric_range(a, metric), metric_range(b, metric)
+    if ra is None or rb is None:
+        return None
+    return ra[0] <= rb[1] and rb[0] <= ra[1]
+
+
+def _cell(r: pd.Series, metric: str, spread: bool = False) -> str:
     if r["status"] == "ok" and pd.notna(r[metric]):
-        v = float(r[metric])
-        return (f"{v:,.0f}" if v >= 100 else f"{v:.1f}") + _dagger(r)
+        text = _fmt_value(float(r[metric])) + _dagger(r)
+        rng = metric_range(r, metric) if spread else None
+        return text + (f" ({_fmt_value(rng[0])}–{_fmt_value(rng[1])})" if rng else "")
     return f"*{status_short(r)}*"
+
+
+def _ratio_cell(a, b, metric: str) -> str:
+    """a ÷ b, or "within noise" when their timed steps' ranges overlap (no ratio the spread cannot support)."""
+    over = _overlap(a, b, metric)
+    if over:
+        return "within noise"
+    mark = _dagger(a) or _dagger(b)
+    text = f"{float(a[metric]) / float(b[metric]):.2f}×{mark}"
+    return text if over is not None else text + " (no spread)"
 
 
 def _sweep_table(sweep: str, df: pd.DataFrame) -> list[str]:
@@ -165,6 +195,10 @@ def _sweep_table(sweep: str, df: pd.DataFrame) -> list[str]:
     cpu = on_cpu(df)
     metric, unit = ("tokens_per_s", "tokens/s") if cpu else ("tflops", "TFLOPS")
     lines = [f"### {sweep}", ""]
+    if sweep == "smoke" or cpu:
+        lines += ["**Smoke test**: a tiny model on a CPU checks that every system runs end to end; its speeds say "
+                  "nothing about the systems at scale. Each cell gives the median and, in brackets, the range over "
+                  "the timed steps; a ratio is given only where those ranges do not overlap.", ""]
     df = df.copy()
     df["_sys"] = df["system"].map(lambda s: record(s).label_for("cpu" if cpu else "gpu", short=True))
     df["_r"] = df.apply(lambda r: r["_sys"] + ("" if r["variant"] in ("default", "") else f" · {r['variant']}"), axis=1)
@@ -182,11 +216,13 @@ def _sweep_table(sweep: str, df: pd.DataFrame) -> list[str]:
         line = [rk]
         for ck in order_cols:
             m = df[(df["_r"] == rk) & (df["_c"] == ck)]
-            cell = _cell(m.iloc[-1], metric) if not m.empty else ""
-            fv = full[full["_c"] == ck][metric]
+            cell = _cell(m.iloc[-1], metric, spread=cpu) if not m.empty else ""
+            fv = full[full["_c"] == ck]
             if not m.empty and m.iloc[-1]["status"] == "ok" and m.iloc[-1]["variant"] not in ("full", "default") \
-                    and len(fv) and fv.iloc[-1] > 0:
-                cell += f" ({_pct(float(m.iloc[-1][metric]) / float(fv.iloc[-1]) - 1)})"
+                    and len(fv) and fv[metric].iloc[-1] > 0:
+                a, f = m.iloc[-1], fv.iloc[-1]
+                noise = ", within noise" if _overlap(a, f, metric) else ""
+                cell += f" ({_pct(float(a[metric]) / float(f[metric]) - 1)}{noise})"
             line.append(cell)
         body.append(line)
     mt, z3 = (df[(df["system"] == s) & df["variant"].isin(["default", "full"])] for s in ("megatrain", "zero3"))
@@ -196,8 +232,7 @@ def _sweep_table(sweep: str, df: pd.DataFrame) -> list[str]:
             a = mt[(mt["_c"] == ck) & (mt["status"] == "ok")]
             b = z3[(z3["_c"] == ck) & (z3["status"] == "ok")]
             if len(a) and len(b) and b[metric].iloc[-1] > 0:
-                mark = _dagger(a.iloc[-1]) or _dagger(b.iloc[-1])
-                line.append(f"{float(a[metric].iloc[-1]) / float(b[metric].iloc[-1]):.2f}×{mark}")
+                line.append(_ratio_cell(a.iloc[-1], b.iloc[-1], metric))
             else:
                 line.append("—")
         body.append(line)
@@ -256,6 +291,40 @@ def _figures(plots_dir: Path | None, out: Path, frames: dict) -> list[str]:
     return lines + [""]
 
 
+def _claims_section(claims: dict, rows: pd.DataFrame, tol: float, hw_names: dict) -> list[str]:
+    """The paper's claims against these rows. Only GPU rows can speak to a claim: a report whose rows all
+    come from a CPU judges none (it says so in one line)."""
+    lines = ["## Paper claims vs our results", ""]
+    gpu_rows = rows[rows["hardware"].astype(str).str.lower() != "cpu"] if not rows.empty else rows
+    if gpu_rows.empty:
+        return lines + ["No claim is judged: every row of this report was measured on a CPU (or there are none), "
+                        "and the paper's claims are about GPUs. Run a GPU sweep to judge them.", ""]
+    lines += [f"Paper values: {claims.get('source', '?')}. Every verdict is read from the rows' fields "
+              "(`experiments/claims.py`): *matched* when a measured value (or ratio) is within "
+              f"±{tol * 100:.0f}% of the paper's, else *missed* / *exceeded* by that much, or *within noise* when "
+              "the difference lies inside the timed steps' spread; *differs*: a system the paper says runs out of "
+              "memory ran here; *predicted*: the paper says a system runs out of memory and ours was never launched "
+              "because the memory rule predicts it does not fit; *not reproducible here*: the point needs more "
+              "memory than this machine has (never launched); *not comparable*: the setups differ too much (an "
+              "emulated GPU's absolute TFLOPS, rows of two machines); *not measured*: no row. A ratio of rows from "
+              "two commits is marked ‡. Each verdict on a MegaTrain row names its placement and how often "
+              "clipping fired. The paper's absolute TFLOPS mostly come from a GH200, whose ~900 GB/s NVLink-C2C "
+              "host link is much faster than an H200's PCIe link; the ratio rows are the fairer comparison.", "",
+              "Hardware names: " + "; ".join(f"**{_hw_short(hw_names, k)}**: {_hw_long(hw_names, k)}"
+                                             for k in hw_names) + ".", ""]
+    judged = [evaluate_claim(c, gpu_rows, tol, hw_names) for c in claims["claims"]]
+    for sec in dict.fromkeys(j.section for j in judged):
+        lines += [f"### {SECTION_TITLES.get(sec, sec)}", ""]
+        body = []
+        for j in (x for x in judged if x.section == sec):
+            ours = j.ours + (" *(sample)*" if j.sample else "") + (f" — note: {j.note}" if j.note else "")
+            paper = j.paper + (f" — {j.source}" if j.source else "")
+            body.append([f"{j.claim} `{j.id}`", paper, ours, j.hardware, f"**{j.verdict.kind}**"
+                         + (f" ({j.verdict.detail})" if j.verdict.detail else "")])
+        lines += _md_table(["claim", "paper", "ours", "hardware", "verdict"], body) + [""]
+    return lines + summary_lines(judged)
+
+
 def build_report(results_dir, claims_path=CLAIMS_PATH, plots_dir: str | Path | None = None,
                  out_path=None, log=print) -> tuple[str, list[str]]:
     """Return (markdown text, errors)."""
@@ -273,7 +342,7 @@ def build_report(results_dir, claims_path=CLAIMS_PATH, plots_dir: str | Path | N
                   f"> {n_sample} of {len(rows)} rows are synthetic sample/test-fixture rows "
                   f"(git_sha `{SAMPLE_SHA}` / gpu_name `{SAMPLE_GPU}`). Every number derived from them below is "
                   "made up and marked *(sample)*; do not cite it.", ""]
-    lines.append(f"Results: `{results_dir}` — sweeps found: "
+    lines.append(f"Results: `{Path(results_dir).resolve().name}/` — sweeps found: "
                  f"{', '.join(frames) if frames else 'none'}; missing: "
                  f"{', '.join(s for s in SWEEPS if s not in frames) or 'none'}.")
     lines.append("")
@@ -284,40 +353,7 @@ def build_report(results_dir, claims_path=CLAIMS_PATH, plots_dir: str | Path | N
         lines += _mixed_runs(rows)
     lines += _formulas(rows if not rows.empty else pd.DataFrame(columns=["status", "tflops", "step_time_median_s"]))
 
-    lines += ["## Paper claims vs our results", "",
-              f"Paper values: {claims.get('source', '?')}. Verdict: *matched* when within "
-              f"±{tol * 100:.0f}% of the paper's value (or ratio), else *missed by* / *exceeded by* that much; "
-              "*not comparable* when the setups differ too much to judge (e.g. an emulated GPU's absolute "
-              "TFLOPS); *not reproducible here* when the point was not launched (or ran out of host RAM) "
-              "because it needs more memory than this machine has — with the engine's own estimate of "
-              "what it needs; a claim that a system runs out of memory is *matched (predicted …)* when "
-              "that same memory rule kept it from being launched; *not measured* when no matching row "
-              "exists. A claim no sweep covers may be judged on an engine benchmark file (*ours* then "
-              "names the file). The paper's absolute TFLOPS mostly come from a GH200, whose ~900 GB/s "
-              "NVLink-C2C host link is much faster than an H200's PCIe host link, so absolute numbers are "
-              "expected to differ; the ratio and trend rows are the fairer comparison.", "",
-              "Hardware names: " + "; ".join(f"**{_hw_short(hw_names, k)}**: {_hw_long(hw_names, k)}"
-                                             for k in hw_names) + ".", ""]
-    evaluated = [evaluate_claim(c, rows if not rows.empty else _empty_rows(), tol, hw_names)
-                 for c in claims["claims"]]
-    sections = list(dict.fromkeys(e["section"] for e in evaluated))
-    for sec in sections:
-        lines += [f"### {SECTION_TITLES.get(sec, sec)}", ""]
-        if sec == "reference":
-            lines += ["Our own earlier measurements on this project's H200 (2026-11-30, Qwen2.5-3B shape, batch "
-                      "16 × 1024 tokens), compared with the baseline rows of these results: a large gap points "
-                      "at a setup change rather than at the paper.", ""]
-        body = []
-        for e in (x for x in evaluated if x["section"] == sec):
-            ours = e["ours"] + (" *(sample)*" if e["sample"] else "")
-            ours += f" — note: {e['note']}" if e.get("note") else ""
-            paper = e["paper"] + (f" — {e['source']}" if e.get("source") else "")
-            body.append([f"{e['claim']} `{e['id']}`", paper, ours, e["hardware"], f"**{e['verdict']}**"])
-        lines += _md_table(["claim", "paper" if sec != "reference" else "reference", "ours", "hardware",
-                            "verdict"], body)
-        lines.append("")
-    lines += summary_lines(evaluated)
-
+    lines += _claims_section(claims, rows, tol, hw_names)
     acc = Path(results_dir) / "accuracy_parity" / "accuracy_parity.jsonl"
     if acc.exists():
         fig = Path(plots_dir) / "accuracy_parity.png" if plots_dir else None

@@ -12,8 +12,9 @@ Every point runs in its own process (``experiments.point``) with a timeout; its 
 host_oom, timeout, error), and the sweep goes on. ``results_dir`` defaults to ``runs/<machine>/``: a run
 never writes into the committed ``results/`` unless asked (``results_dir=results``), and never appends to
 a CSV measured on another machine. Every point is validated before the first one starts. A rerun skips
-points whose last row is ok/skipped (``redo=true`` re-runs them) and retries the others. Exit status 1
-when no point succeeded. See docs/runner.md.
+points whose last row is ok/skipped (``redo=true`` re-runs them) and retries the others. Exit status 2
+for a config error (one line), 1 when a point timed out or failed for a reason other than memory (the last
+line names them) or when no point succeeded, else 0. See docs/runner.md.
 """
 from __future__ import annotations
 
@@ -103,6 +104,14 @@ def hydra_option_loader():
     return load
 
 
+def cli_option_keys() -> frozenset:
+    """The ``system.options.<key>`` keys set on the command line (they must not lose to a sweep variant)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    keys = [o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task if "=" in o]
+    return frozenset(k.split(".", 2)[2] for k in keys if k.startswith("system.options.") and k.count(".") >= 2)
+
+
 def human(n: float) -> str:
     for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= div:
@@ -132,7 +141,8 @@ def run(cfg) -> dict:
     t_start = time.time()
     device = resolve_device(cfg.device)
     env = envinfo.collect(device)
-    jobs = sweeps.expand(cfg, hydra_option_loader(), device=device, gpu_name=env["gpu_name"])
+    jobs = sweeps.expand(cfg, hydra_option_loader(), device=device, gpu_name=env["gpu_name"],
+                         cli_options=cli_option_keys())
     sweeps.validate(jobs)  # every point checked before anything runs
     results = results_root(cfg, device, env["gpu_name"])
     out = (results / cfg.sweep.name).resolve()
@@ -215,6 +225,8 @@ def run(cfg) -> dict:
         schema.append_row(csv_path, row)
         statuses[row["status"]] = statuses.get(row["status"], 0) + 1
         counts["ok"] += row["status"] == "ok"
+        if row["status"] in ("timeout", "error") and row["reason"] != "budget_cut":  # not a memory verdict
+            counts.setdefault("failed", []).append(f"{job.id} ({row['status']})")
         bar.write(f"{tag} [{row['status']}]{' ' * max(1, 8 - len(row['status']))}{job.id}  {_tail(row, device)}")
     bar.close()
 
@@ -249,8 +261,13 @@ def _tail(row: dict, device: str) -> str:
 
 
 def failure_message(counts: dict, name: str) -> str | None:
-    """One line saying why a sweep failed: points were launched and none succeeded (none now, none
-    before). Points skipped by the memory rules are an answer, not a failure."""
+    """One line saying why a sweep failed: a point timed out or raised (any failure but a memory verdict:
+    skipped by the memory rules, GPU or host out of memory), naming those points; or points were launched
+    and none succeeded. None when the sweep did its job."""
+    failed = counts.get("failed") or []
+    if failed:
+        return (f"sweep {name}: {len(failed)} point(s) failed for a reason other than memory: {', '.join(failed)}; "
+                f"see each point's log.txt")
     if counts.get("ok") or counts.get("done_ok") or not counts.get("launched"):
         return None
     return (f"sweep {name}: no point succeeded ({counts['launched']} launched, {counts['skipped']} skipped, "

@@ -263,12 +263,13 @@ def check_header(path, readable: bool = False) -> None:
     if version:
         raise SchemaError(f"{path} has a row schema v{version} header; upgrade it in place first: "
                           f"python -m experiments.schema --upgrade {path}")
-    missing = [c for c in COLUMNS if c not in header]
-    extra = [c for c in header if c not in COLUMNS]
+    near, cols = min(HEADERS.items(), key=lambda kv: len(set(kv[1]) ^ set(header)))  # the closest version
+    missing = [c for c in cols if c not in header]
+    extra = [c for c in header if c not in cols]
     detail = ([f"missing: {', '.join(missing)}"] if missing else []) + \
              ([f"unexpected: {', '.join(extra)}"] if extra else []) or ["same columns in a different order"]
-    raise SchemaError(f"{path} has a header of no known row schema version ({'; '.join(detail)}); move it "
-                      f"away (or pick another results_dir) to start a new file.")
+    raise SchemaError(f"{path} has a different header than any row schema version (closest, v{near}: "
+                      f"{'; '.join(detail)}); move it away (or pick another results_dir) to start a new file.")
 
 
 def append_row(path, row) -> None:

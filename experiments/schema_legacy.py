@@ -51,6 +51,14 @@ def skip_fields(status: str, error: str) -> dict:
     return {}
 
 
+def _memory_numbers(rec: dict, new: dict) -> None:
+    """A host-memory skip whose text gave no numbers: the row's own estimate and host RAM columns."""
+    if new.get("reason") == "host_memory" and new.get("need_host_gib") is None:
+        est, ram = rec.get("host_estimate_gib"), rec.get("host_ram_gib")
+        new["need_host_gib"] = float(est) if est else None
+        new["have_host_gib"] = float(ram) if ram else None
+
+
 def placement_fields(summary: str) -> dict:
     """GPU/host tier layers and params from a ``Placement.summary()`` first line."""
     out = {}
@@ -87,6 +95,7 @@ def upgrade(rec: dict, version: int, point_dir: Path) -> dict:
     fields filled where the error text or the point folder tells them."""
     out = dict(rec)
     new = skip_fields(rec.get("status", ""), rec.get("error", ""))
+    _memory_numbers(rec, new)
     settings = {}
     try:
         settings = json.loads(rec.get("settings") or "{}") or {}

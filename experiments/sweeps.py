@@ -186,10 +186,18 @@ def torch_threads_for(run_level: int | None, hw: dict) -> int | None:
     return run_level if run_level is not None else hw.get("cpu_cores")
 
 
-def merge_options(system: str, base: dict, overrides: dict, variant: str, run_level: dict) -> dict:
+def merge_options(system: str, base: dict, overrides: dict, variant: str, run_level: dict,
+                  cli_keys: frozenset = frozenset()) -> dict:
     """System options with a variant's overrides. Typed systems (megatrain: EngineConfig) reject unknown
     keys and bad values here, before anything runs, and get the run-level engine fields (the same for
-    every system) from ``run_level``; setting one of those as a system option is an error."""
+    every system) from ``run_level``; setting one of those as a system option is an error. An option set
+    on the command line (``cli_keys``) that a variant sets to another value is refused: neither may
+    silently win."""
+    for key in sorted(set(overrides) & set(cli_keys)):
+        if str(overrides[key]) != str(base.get(key)):
+            raise SweepError(f"system.options.{key}={base.get(key)} on the command line clashes with variant "
+                             f"{variant!r} ({key}={overrides[key]}); drop one of them (the sweep's variants are in "
+                             f"conf/sweep/<name>.yaml)")
     schema = C.SYSTEM_OPTION_SCHEMAS.get(system)
     if schema is None:
         out = dict(base)
@@ -220,7 +228,8 @@ def merge_options(system: str, base: dict, overrides: dict, variant: str, run_le
     return merged
 
 
-def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name: str = "") -> list[Job]:
+def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name: str = "",
+           cli_options: frozenset = frozenset()) -> list[Job]:
     """All jobs of ``cfg.sweep``, in run order (model-major, so one model's initial weights are
     written once and reused by the systems that follow). ``load_option(group, name)`` returns the
     config of a ``system`` or ``hardware`` group option (the run's selected ones are used as they are,
@@ -295,7 +304,9 @@ def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name
                                 if hwe.get("host_link_gbps") and not emulates_host_link(system):
                                     continue  # an emulated host link: only systems that can emulate it
                                 opts = merge_options(system, sc.get("options") or {}, overrides or {}, variant,
-                                                     dict(run_level, host_link_gbps=hwe.get("host_link_gbps")))
+                                                     dict(run_level, host_link_gbps=hwe.get("host_link_gbps")),
+                                                     cli_options if cfg.system is not None
+                                                     and system == cfg.system.name else frozenset())
                                 pid = point_id(system, model, spec.num_layers, width, seq, batch, variant,
                                                hwe["label"])
                                 if pid in seen:
