@@ -117,6 +117,7 @@ class SweepConfig:
 
     name: str = MISSING
     description: str = ""
+    order: int = 100  # position of the sweep in reports and figures (experiments.schema.known_sweeps)
     systems: List[str] = MISSING
     models: List[str] = field(default_factory=list)
     depths: List[int] = field(default_factory=list)
@@ -157,6 +158,9 @@ class RunConfig:
     max_position_embeddings: int = 0
     gpus: int = 1  # processes per node; > 1 only for systems whose record supports it
     seed: int = 0  # initial weights and synthetic data
+    # the batches: "synthetic" (uniform random tokens: clipping fires every step at random init) or "text"
+    # (byte-level tokens of the Python standard library's source, megatrain.data.text_batch: real text)
+    data: str = "synthetic"
     timeout_s: float = 1800.0  # per point (the training process; init weights have their own)
     init_timeout_s: float = 3600.0  # writing a model's initial weights into the cache
     # Stop starting points once this many seconds have passed (a point's timeout is clipped to what is

@@ -275,11 +275,18 @@ def train(job: Job, applied: dict | None = None) -> int:
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         total = job.warmup_steps + job.steps
         vocab = job.spec["vocab_size"]
+        if job.data == "text":  # real text, byte-level token ids (< 256 <= every preset's vocabulary)
+            from megatrain.data import stdlib_text_bytes, text_batch
+
+            text = stdlib_text_bytes()
+            make_batch = lambda step: text_batch(text, job.batch_size, job.seq_len, job.seed, step=step)  # noqa: E731
+        else:
+            make_batch = lambda step: synthetic_batch(vocab, job.batch_size, job.seq_len, job.seed, step=step)  # noqa: E731
         with open(pdir / "metrics.jsonl", "a") as mf, \
                 tqdm(total=total, desc="steps", file=sys.stderr, mininterval=5, dynamic_ncols=False) as bar:
             for i in range(total):
                 # data parallel: rank r's batch of step i is its own (batch_size rows per GPU)
-                batch = synthetic_batch(vocab, job.batch_size, job.seq_len, job.seed, step=i * _world() + _rank())
+                batch = make_batch(i * _world() + _rank())
                 sync()
                 t = time.perf_counter()
                 r = system.step(batch)

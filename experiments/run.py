@@ -33,7 +33,8 @@ from . import schema
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
-TABLE_COLUMNS = ["point", "status", "step_time_median_s", "tokens_per_s", "tflops", "mfu",
+TABLE_COLUMNS = ["point", "status", "step_time_median_s", "step_time_min_s", "step_time_max_s", "tokens_per_s",
+                 "tflops", "mfu",
                  "gpu_peak_allocated_gib", "host_peak_rss_gib", "host_bytes_per_param", "error"]
 
 
@@ -102,6 +103,24 @@ def hydra_option_loader():
             raise SweepError(f"the sweep needs {group}={name}, which does not compose:\n{str(e).strip()}") from None
 
     return load
+
+
+def build_kernels_ahead(jobs) -> None:
+    """Build the host AdamW C++ kernel once, before any point is timed (a first build inside a point would
+    count the compiler's minutes and memory as the point's). ``megatrain.kernels`` builds it in a child
+    process, bounded in time; a failure is one warning line and the engine falls back to torch's AdamW."""
+    import os
+
+    if not any(j.system == "megatrain" for j in jobs) or os.environ.get("MEGATRAIN_HOST_ADAMW") == "torch":
+        return
+    try:
+        from megatrain import kernels
+    except ImportError:  # an engine without the build-ahead module: the first point builds it
+        return
+    try:
+        kernels.build()
+    except Exception as exc:  # noqa: BLE001 - a failed build is the engine's fallback, not the sweep's end
+        print(f"warning: {kernels.fallback_warning(exc)}", file=sys.stderr, flush=True)
 
 
 def cli_option_keys() -> frozenset:
@@ -181,6 +200,7 @@ def run(cfg) -> dict:
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "README.md").write_text(schema.csv_readme(cfg.sweep.name))
+    build_kernels_ahead(jobs)
     with open(out / "runs.jsonl", "a") as f:  # one line per invocation: environment and config
         f.write(json.dumps({"env": env, "config": run_cfg}, default=str) + "\n")
 
@@ -241,14 +261,8 @@ def run(cfg) -> dict:
           f"; this run: {summary}; "
           f"{time.time() - t_start:.0f}s; results: {csv_path}", flush=True)
     if cfg.post:
-        _post(results, Path(cfg.plots_dir) if cfg.plots_dir else plots_dir_for(results))
+        _post(results.resolve(), cfg.plots_dir)
     return counts
-
-
-def plots_dir_for(results: Path) -> Path:
-    """Figures of a results folder: the committed results/ -> plots/ (beside it); any other -> inside."""
-    results = results.resolve()
-    return results.parent / "plots" if results == (REPO_ROOT / "results").resolve() else results / "plots"
 
 
 def _tail(row: dict, device: str) -> str:
@@ -274,16 +288,23 @@ def failure_message(counts: dict, name: str) -> str | None:
             f"{counts['done']} done before without success); see the table above and each point's log.txt")
 
 
-def _post(results: Path, plots_dir: Path) -> None:
-    """Figures and REPORT.md from this results folder's CSVs alone, so every sweep leaves something a
-    person can read. A failure here must not hide the sweep's results, which are already on disk."""
-    from . import plots, report
+def _post(results: Path, plots_dir: str | None) -> None:
+    """Figures and REPORT.md from this results folder's CSVs alone (the analysis package, in its own
+    process: the runner never imports it), so every sweep leaves something a person can read. A failure
+    here must not hide the sweep's results, which are already on disk."""
+    import subprocess
 
-    try:
-        plots.main(["--results", str(results), "--out", str(plots_dir)])
-        report.main(["--results", str(results), "--out", str(results / "REPORT.md"), "--plots", str(plots_dir)])
-    except Exception as exc:  # noqa: BLE001 - reported, never fatal
-        print(f"warning: figures/report not regenerated: {type(exc).__name__}: {exc}", file=sys.stderr)
+    out = ["--out", plots_dir] if plots_dir else []
+    for cmd in (["analysis.plots", "--results", str(results), *out],
+                ["analysis.report", "--results", str(results), "--out", str(results / "REPORT.md"),
+                 *(["--plots", plots_dir] if plots_dir else [])]):
+        try:
+            proc = subprocess.run([sys.executable, "-m", *cmd], cwd=REPO_ROOT, timeout=600)
+        except subprocess.TimeoutExpired:
+            print(f"warning: {cmd[0]} took over 600 s and was stopped", file=sys.stderr)
+            continue
+        if proc.returncode:
+            print(f"warning: {cmd[0]} exited with {proc.returncode}; the sweep's rows are on disk", file=sys.stderr)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

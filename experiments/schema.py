@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -128,6 +129,7 @@ class Row:
     max_grad_norm: float | None = _col("the clipping threshold (0 = no clipping)")
     predicted_step_s: float | None = _col("the engine's predicted step time, when its planner gives one")
     dtype: str = _col("compute dtype (bf16, fp32, ...)", "")
+    data: str = _col("the batches: synthetic (random tokens) or text (real text, byte-level)", "")
     cpu_cores: int | None = _col("CPU cores the point process could run on")
     torch_threads: int | None = _col("torch threads of the point process")
     host_link_gbps: float | None = _col("emulated host link, GB/s each way (empty: the real link)")
@@ -385,16 +387,24 @@ def point_status(path) -> dict[str, str]:
 
 
 def sweep_names(results_dir) -> list[str]:
-    """Sweeps with a ``results.csv`` under ``results_dir``, in the order of ``experiments/conf/sweep``
-    (read as file names, no import), then the rest alphabetically."""
+    """Sweeps with a ``results.csv`` under ``results_dir``, in ``known_sweeps`` order, then the rest."""
     found = sorted(p.parent.name for p in Path(results_dir).glob("*/results.csv"))
-    return [s for s in SWEEP_ORDER if s in found] + [s for s in found if s not in SWEEP_ORDER]
+    return [s for s in known_sweeps() if s in found] + [s for s in found if s not in known_sweeps()]
 
 
-# The sweeps' order in reports and figures; a sweep not listed comes after these (alphabetically).
-SWEEP_ORDER = ("smoke", "baselines", "size", "depth", "width", "context", "hardware", "host_side", "ablation",
-               "tokens")
-KNOWN_SWEEPS = SWEEP_ORDER  # older name
+SWEEP_CONF = Path(__file__).resolve().parent / "conf" / "sweep"
+
+
+@functools.lru_cache(maxsize=1)
+def known_sweeps() -> tuple[str, ...]:
+    """The sweeps: one per ``experiments/conf/sweep/*.yaml`` (read as data, no hydra), in their ``order``."""
+    import yaml
+
+    found = []
+    for p in SWEEP_CONF.glob("*.yaml"):
+        sw = (yaml.safe_load(p.read_text()) or {}).get("sweep") or {}
+        found.append((int(sw.get("order", 100)), sw.get("name", p.stem)))
+    return tuple(name for _, name in sorted(found))
 
 
 def load_results(results_dir, sweeps=None, log=print) -> tuple[dict, list[str]]:

@@ -124,6 +124,7 @@ def upgrade(rec: dict, version: int, point_dir: Path) -> dict:
         if "gpu_tier_layers" not in new and str(settings.get("gpu_resident")) == "0" and rec.get("num_layers"):
             new.update(gpu_tier_layers=0, host_tier_layers=int(float(rec["num_layers"])))  # pure streaming
     new["max_grad_norm"] = mgn
+    new["data"] = "synthetic"  # the runner had no other batches then
     if cfg.get("compute_dtype"):
         new["dtype"] = cfg["compute_dtype"]
     for k in ("cpu_cores", "torch_threads", "host_link_gbps"):

@@ -69,6 +69,7 @@ class Job:
     steps: int = 5
     warmup_steps: int = 2
     seed: int = 0
+    data: str = "synthetic"  # "synthetic" | "text" (RunConfig.data)
     device: str = "cpu"
     dtype: str = "auto"
     torch_threads: int | None = None
@@ -228,6 +229,34 @@ def merge_options(system: str, base: dict, overrides: dict, variant: str, run_le
     return merged
 
 
+def split_variant(system: str, overrides: dict) -> tuple[dict, dict]:
+    """(system options, run fields) of a variant for ``system``. ``optim.<field>`` keys change the
+    optimizer of every system (e.g. ``optim.max_grad_norm: 0``, no clipping) and ``data`` their batches
+    (returned as ``__data__``); the other keys are system
+    options: a typed system (megatrain) gets them all (a typo fails in ``merge_options``), any other
+    system gets none of the engine's own option names (they mean nothing to it)."""
+    optim = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("optim.")}
+    rest = {k: v for k, v in overrides.items() if not k.startswith("optim.") and k != "data"}
+    if "data" in overrides:  # the batches, like the optimizer, belong to every system
+        optim["__data__"] = overrides["data"]
+    if C.SYSTEM_OPTION_SCHEMAS.get(system) is None:
+        engine_fields = {f.name for schema in C.SYSTEM_OPTION_SCHEMAS.values() for f in dataclasses.fields(schema)}
+        rest = {k: v for k, v in rest.items() if k not in engine_fields}
+    return rest, optim
+
+
+def optim_with(optim: OptimConfig, fields: dict, variant: str) -> OptimConfig:
+    """``optim`` with a variant's ``optim.<field>`` values; an unknown field is refused."""
+    fields = {k: v for k, v in fields.items() if k != "__data__"}
+    if not fields:
+        return optim
+    valid = {f.name for f in dataclasses.fields(OptimConfig)}
+    bad = sorted(set(fields) - valid)
+    if bad:
+        raise SweepError(f"variant {variant!r}: unknown optimizer field(s) {bad}; valid: {', '.join(sorted(valid))}")
+    return replace(optim, **fields)
+
+
 def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name: str = "",
            cli_options: frozenset = frozenset()) -> list[Job]:
     """All jobs of ``cfg.sweep``, in run order (model-major, so one model's initial weights are
@@ -283,12 +312,15 @@ def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name
                          f"({sw.long_steps}) >= 1 and long_warmup_steps ({sw.long_warmup_steps}) >= 0")
     max_pos = int(cfg.max_position_embeddings)
     optim = OptimConfig(**{**_container(cfg.optim), "betas": tuple(cfg.optim.betas)})
+    if str(cfg.data) not in ("synthetic", "text"):
+        raise SweepError(f"data={cfg.data}: valid: synthetic, text")
     common = dict(optim=optim, steps=int(cfg.steps), warmup_steps=int(cfg.warmup_steps), seed=int(cfg.seed),
+                  data=str(cfg.data),
                   device=device, dtype=str(cfg.dtype), torch_threads=cfg.torch_threads, gpus=int(cfg.gpus))
     run_level = {"max_position_embeddings": max_pos}
 
     points: list[Job] = []
-    seen = set()
+    seen, runs = set(), set()
     for model in models:
         for depth in depths:
             for width in widths:
@@ -303,7 +335,13 @@ def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name
                                 sc = sys_cfgs[system]
                                 if hwe.get("host_link_gbps") and not emulates_host_link(system):
                                     continue  # an emulated host link: only systems that can emulate it
-                                opts = merge_options(system, sc.get("options") or {}, overrides or {}, variant,
+                                sys_over, optim_over = split_variant(system, overrides or {})
+                                same = (system, model, depth, width, seq, batch, hw,
+                                        json.dumps([sys_over, optim_over], sort_keys=True, default=str))
+                                if same in runs:
+                                    continue  # what applies of this variant equals an earlier one: the same run twice
+                                runs.add(same)
+                                opts = merge_options(system, sc.get("options") or {}, sys_over, variant,
                                                      dict(run_level, host_link_gbps=hwe.get("host_link_gbps")),
                                                      cli_options if cfg.system is not None
                                                      and system == cfg.system.name else frozenset())
@@ -313,7 +351,9 @@ def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name
                                     continue
                                 seen.add(pid)
                                 job_common = dict(common, gpus=int(hwe.get("gpus") or common["gpus"]),
-                                                  torch_threads=torch_threads_for(cfg.torch_threads, hwe))
+                                                  torch_threads=torch_threads_for(cfg.torch_threads, hwe),
+                                                  optim=optim_with(common["optim"], optim_over, variant),
+                                                  data=str(optim_over.get("__data__", common["data"])))
                                 if sw.long_seq_from and seq >= int(sw.long_seq_from):  # fewer, longer steps
                                     job_common.update(steps=int(sw.long_steps),
                                                       warmup_steps=int(sw.long_warmup_steps))

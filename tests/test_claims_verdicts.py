@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments import claims as C, report, schema  # noqa: E402
+from analysis import claims as C, report  # noqa: E402
+from experiments import schema  # noqa: E402
 
 HW = {"GH200": ["GH200", "Hopper"], "H200_1.5TB": ["H200 + 1.5 TB RAM", "H200, 1.5 TB host"]}
 SHAPES = {7: (7.62e9, 28, 3584), 14: (14.77e9, 48, 5120), 32: (32.76e9, 64, 5120), 72: (72.71e9, 80, 8192),
@@ -155,5 +156,5 @@ def test_committed_report_is_what_the_committed_rows_give():
                                        out_path=ROOT / "results" / "REPORT.md", log=lambda *_: None)
     assert errors == []
     committed = (ROOT / "results" / "REPORT.md").read_text()
-    assert text == committed, ("results/REPORT.md is stale: python -m experiments.report --results results "
+    assert text == committed, ("results/REPORT.md is stale: python -m analysis.report --results results "
                                "--plots plots")

@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments import fig_host_side, figures, schema  # noqa: E402
+from analysis import fig_host_side, figures  # noqa: E402
+from experiments import schema  # noqa: E402
 
 # a frozen copy of the H200 rows of 2026-12-01 (results/host_side/results.csv may be re-measured); the real
 # link is read from the committed result.json of its link rows (54-56 GB/s on any H200 run)

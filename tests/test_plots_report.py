@@ -14,10 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments import plots, report, schema  # noqa: E402
+from analysis import plots, report  # noqa: E402
+from experiments import schema  # noqa: E402
 
-SAMPLE = ROOT / "experiments" / "data" / "sample_results"
-CLAIMS = yaml.safe_load((ROOT / "experiments" / "data" / "paper_claims.yaml").read_text())
+SAMPLE = ROOT / "analysis" / "data" / "sample_results"
+# every sweep of experiments/conf/sweep has a sample, except the tuning sweep (no figure of its own)
+SAMPLE_SWEEPS = [s for s in plots.SWEEPS if s != "baselines_tune"]
+CLAIMS = yaml.safe_load((ROOT / "analysis" / "data" / "paper_claims.yaml").read_text())
 
 
 def _copy(sweeps, dst: Path) -> Path:
@@ -35,12 +38,12 @@ def _report(results: Path, tmp_path: Path) -> str:
 
 
 def test_sample_csvs_cover_every_sweep_and_are_labelled():
-    for sweep in plots.SWEEPS:
+    for sweep in SAMPLE_SWEEPS:
         df = schema.read_results(SAMPLE / sweep / "results.csv")
         assert not df.empty, sweep
         assert set(df["sweep"]) == {sweep}
         assert (df["git_sha"] == "sample").all() and (df["gpu_name"] == "sample-data").all()
-    allrows = pd.concat(schema.read_results(SAMPLE / s / "results.csv") for s in plots.SWEEPS)
+    allrows = pd.concat(schema.read_results(SAMPLE / s / "results.csv") for s in SAMPLE_SWEEPS)
     assert {"gpu_oom", "host_oom", "skipped", "error", "timeout"} <= set(allrows["status"])
     ok = allrows[allrows["status"] == "ok"]
     # the tflops column follows the documented formula
@@ -51,11 +54,11 @@ def test_plots_from_sample(tmp_path):
     out = tmp_path / "plots"
     written, errors = plots.make_plots(SAMPLE, out, log=lambda *_: None)
     assert errors == []
-    for name in plots.expected_figures():
+    for name in plots.expected_figures(SAMPLE_SWEEPS):
         for ext in ("png", "pdf"):
             p = out / f"{name}.{ext}"
             assert p.exists() and p.stat().st_size > 5000, p
-    assert len(written) == 2 * len(plots.expected_figures())
+    assert len(written) == 2 * len(plots.expected_figures(SAMPLE_SWEEPS))
 
 
 def test_report_from_sample(tmp_path):
@@ -67,14 +70,14 @@ def test_report_from_sample(tmp_path):
     for word in ("matched", "missed", "exceeded", "not measured", "not comparable", "predicted"):
         assert f"**{word}**" in text, word
     assert "Reference baselines" not in text and "target ≤" not in text  # no hand-typed numbers, no internal goal
-    for sweep in plots.SWEEPS:
+    for sweep in SAMPLE_SWEEPS:
         assert f"### {sweep}" in text
     assert "MegaTrain ÷ ZeRO-3" in text
     assert "All 131 rows come from one git SHA" in text or "come from one git SHA" in text
 
 
 def test_claim_verdicts(tmp_path):
-    rows = report._all_rows({s: schema.read_results(SAMPLE / s / "results.csv") for s in plots.SWEEPS})
+    rows = report._all_rows({s: schema.read_results(SAMPLE / s / "results.csv") for s in SAMPLE_SWEEPS})
     claims = {c["id"]: c for c in CLAIMS["claims"]}
     hw = CLAIMS["hardware"]
 
@@ -164,7 +167,7 @@ def test_repeated_rows_keep_last_and_missing_tflops_is_derived(tmp_path):
 
 
 def test_no_torch_import():
-    code = "import sys, experiments.plots, experiments.report; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, analysis.plots, analysis.report; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
@@ -177,7 +180,7 @@ def _png_size(path) -> tuple[int, int]:
 
 
 def test_ablation_is_one_panel_full_first_with_differences(tmp_path):
-    from experiments import figures, style
+    from analysis import figures, style
 
     df = schema.read_results(SAMPLE / "ablation" / "results.csv")
     df = pd.concat([df.iloc[::-1]])  # "full" not first in the file: the figure still puts it first
@@ -246,7 +249,7 @@ def test_smoke_table_has_systems_as_rows_and_the_ratio_filled(tmp_path):
 
 
 def test_labels_say_what_ran_on_a_cpu():
-    from experiments import style
+    from analysis import style
 
     cpu = schema.read_results(SAMPLE / "smoke" / "results.csv")
     cpu["hardware"], cpu["gpu_name"] = "cpu", "cpu"
@@ -261,7 +264,7 @@ def test_labels_say_what_ran_on_a_cpu():
 def test_depth_figure_has_a_gpu_memory_panel_and_keeps_variants_apart(tmp_path):
     """The paper's depth point is GPU memory flat with depth: a panel of its own; a variant (pure
     streaming) is a series of its own on every panel, never zig-zagged into the default's line."""
-    from experiments import figures
+    from analysis import figures
     import matplotlib.axes
 
     df = schema.read_results(SAMPLE / "depth" / "results.csv")
@@ -315,7 +318,7 @@ def _plot_calls(draw) -> list[tuple[tuple, dict]]:
 def test_a_system_that_only_failed_is_still_named_in_the_legend(tmp_path):
     """The size figure's band shows FSDP2 / Gemini as coloured × only: without a legend entry a reader
     cannot tell whose they are."""
-    from experiments import figures
+    from analysis import figures
 
     df = schema.read_results(SAMPLE / "size" / "results.csv")
     df.loc[df["system"] == "gemini", ["status", "tflops"]] = ["host_oom", None]
@@ -327,7 +330,7 @@ def test_a_system_that_only_failed_is_still_named_in_the_legend(tmp_path):
 def test_hardware_figure_draws_the_papers_values_beside_ours(tmp_path):
     """The paper gives A100 numbers (MegaTrain 128 / 122 / 114 at 7B / 14B / 32B; ZeRO-3 and Gemini through
     its ratios, e.g. 128 / 3.56 = 36): each is drawn as a black tick on the matching system's slot."""
-    from experiments import claims, figures
+    from analysis import claims, figures
 
     pts = claims.paper_hardware_points()
     assert pts[(7.0, "A100-80GB", "megatrain")] == 128.0
@@ -346,7 +349,7 @@ def test_hardware_figure_draws_the_papers_values_beside_ours(tmp_path):
 def test_ablation_figure_draws_the_papers_values(tmp_path):
     """The paper's 14B ablation (full 266.3, no double buffering 182.9, ...): one dashed tick per variant
     that has a paper value, across its group of bars."""
-    from experiments import claims, figures
+    from analysis import claims, figures
 
     paper = claims.paper_ablation_points()
     assert paper["full"] == 266.3 and paper["no_double_buffer"] == 182.9
@@ -357,7 +360,7 @@ def test_ablation_figure_draws_the_papers_values(tmp_path):
 
 
 def test_tokens_knee_only_where_the_curve_levels_off():
-    from experiments.figures import knee_point  # noqa: PLC0415
+    from analysis.figures import knee_point  # noqa: PLC0415
     levels = pd.DataFrame({"tokens_per_step": [8192, 16384, 32768, 65536], "tflops": [250.0, 320.0, 340.0, 345.0]})
     assert knee_point(levels)["tokens_per_step"] == 16384  # 320 >= 0.9 * 345, the first such point
     rising = pd.DataFrame({"tokens_per_step": [8192, 32768], "tflops": [54.0, 188.0]})
@@ -365,8 +368,8 @@ def test_tokens_knee_only_where_the_curve_levels_off():
 
 
 def test_a_timeout_cut_by_the_runs_budget_is_not_called_a_timeout():
-    from experiments.claims import _failed  # noqa: PLC0415
-    from experiments.style import status_short  # noqa: PLC0415
+    from analysis.claims import _failed  # noqa: PLC0415
+    from analysis.style import status_short  # noqa: PLC0415
     own = {"status": "timeout", "reason": "", "error": "timeout: the point process exceeded 300s and was terminated"}
     cut = {"status": "timeout", "reason": "budget_cut", "error": "anything: the field decides"}
     assert status_short(own) == "timeout" and status_short(cut) == "budget cut"
@@ -380,7 +383,7 @@ def test_ablation_groups_go_by_model_size_and_name_their_placement(tmp_path):
     for rows without engine settings."""
     import matplotlib.axes
 
-    from experiments import figures
+    from analysis import figures
 
     base = schema.read_results(SAMPLE / "ablation" / "results.csv")
     base = base[base["variant"].isin(["full", "no_double_buffer"])].head(2)

@@ -35,7 +35,7 @@ def test_columns_are_the_fixed_schema():
                 "step_time_min_s", "step_time_max_s", "step_time_stdev_s", "blocks", "blocks_kept",
                 "predicted_step_s", "cpu_cores", "torch_threads", "git_sha", "schema"):
         assert col in schema.COLUMNS
-    sample = ROOT / "experiments" / "data" / "sample_results" / "smoke" / "results.csv"
+    sample = ROOT / "analysis" / "data" / "sample_results" / "smoke" / "results.csv"
     if sample.exists():  # the plots' fixtures are v1 files: still read
         assert schema.header_version(schema.read_header(sample)) == 1
 
