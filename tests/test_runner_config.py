@@ -17,7 +17,7 @@ from experiments import sweeps  # noqa: E402
 
 CONF = ROOT / "experiments" / "conf"
 SWEEPS = ("smoke", "baselines", "size", "depth", "width", "context", "hardware", "ablation", "tokens",
-          "baselines_tune", "host_side")
+          "baselines_tune", "host_side", "engine")
 GIB = 2**30
 
 
@@ -216,14 +216,17 @@ def test_ablation_variants_and_overrides(compose_fn):
     _, pts = expand(compose_fn, "sweep=ablation")
     opts = {p.variant: p.options for p in pts}
     assert list(opts) == ["full", "no_double_buffer", "no_slab_pool", "ckpt_interval_1", "no_opt_overlap",
-                          "pure_streaming", "no_speculation", "grads_on_host"]
+                          "pure_streaming", "full_no_clip", "no_speculation", "grads_on_host"]
+    # speculation differs from full only where clipping does not fire: both measured without it
+    clip = {p.variant: p.optim.max_grad_norm for p in pts}
+    assert clip["full_no_clip"] == clip["no_speculation"] == 0.0 and clip["full"] == 1.0
     full = opts["full"]
     assert full["checkpoint_interval"] == 4 and full["num_slots"] == 2 and full["grad_slabs"] > 0
     assert full["overlap_optimizer"] is True
     diff = {v: {k: o[k] for k in o if o[k] != full[k]} for v, o in opts.items()}
     assert diff == {"full": {}, "no_double_buffer": {"num_slots": 1}, "no_slab_pool": {"grad_slabs": 0},
                     "ckpt_interval_1": {"checkpoint_interval": 1}, "no_opt_overlap": {"overlap_optimizer": False},
-                    "pure_streaming": {"gpu_resident": "0"}, "no_speculation": {"speculate": "never"},
+                    "pure_streaming": {"gpu_resident": "0"}, "full_no_clip": {}, "no_speculation": {"speculate": "never"},
                     "grads_on_host": {"grad_placement": "host"}}
     assert {p.model for p in pts} == {"qwen2.5-3b"} and {p.batch_size for p in pts} == {16}
     # the sweep's model default yields to the command line; system options too
@@ -400,3 +403,19 @@ def test_override_precheck_lists_valid_keys():
     assert "num_slots" in msg and "checkpoint_interval" in msg and "gpu_resident" in msg
     assert C.check_overrides(["sweep=smoke", "steps=3", "model.depth=2", "system=zero3",
                               "system.options.anything=1", "hydra.run.dir=x", "--cfg", "job"]) is None
+
+
+def test_engine_sweep_variants_apply_per_system(compose_fn):
+    """optim.* and data reach every system; engine options only MegaTrain; identical setups run once."""
+    _, pts = expand(compose_fn, "sweep=engine", "model=qwen2.5-3b")
+    by = {(p.system, p.model, p.variant): p for p in pts}
+    native = sorted(v for s, m, v in by if s == "native" and m == "qwen2.5-3b")
+    assert native == ["default", "no_clip", "text"]  # the streaming variants change nothing of native
+    assert by[("native", "qwen2.5-3b", "no_clip")].optim.max_grad_norm == 0.0
+    assert by[("native", "qwen2.5-3b", "text")].data == "text" and by[("native", "qwen2.5-3b", "default")].data == "synthetic"
+    mt = by[("megatrain", "qwen2.5-3b", "streaming_no_clip")]
+    assert mt.options["gpu_resident"] == "0" and mt.optim.max_grad_norm == 0.0
+    from megatrain.system import OptimConfig
+
+    with pytest.raises(sweeps.SweepError, match="unknown optimizer field"):
+        sweeps.optim_with(OptimConfig(), {"lrr": 1}, "bad")
