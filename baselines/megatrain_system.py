@@ -57,6 +57,10 @@ class MegaTrainSystem:
                      "pool_slots": self.engine.num_pool_slots, "config": cfg.to_dict(),
                      "gpu_resident_layers": plan.gpu_layers, "placement": plan.summary(),
                      **self.engine.info,  # recompute, blocks_kept / blocks, predicted_step_s and its parts
+                     # the placement as numbers, for the runner's row (experiments/schema.py)
+                     "tiers": {"gpu_tier_layers": plan.gpu_layers,
+                               "host_tier_layers": sum(n.startswith("layer.") for n in plan.host_names),
+                               "gpu_tier_params": plan.params_on("gpu"), "host_tier_params": plan.params_on("host")},
                      "optimizer": (f"GPU tier: torch fused AdamW on {device}; host tier: "
                                    f"{cpu_adamw.name() if plan.host_names else 'unused'}"),
                      # the measured real link and the emulated one (None: the real link, not measured)

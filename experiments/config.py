@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -29,15 +30,7 @@ from megatrain.config import EngineConfig
 from megatrain.system import OptimConfig
 
 from .sft_config import SFTConfig
-
-# Peak dense bf16 TFLOPS used for MFU, by substring of the GPU name (first match wins). The one copy.
-PEAK_TFLOPS: dict[str, float] = {
-    "H200": 797.5,  # measured on our H200 (dense bf16 matmul), not the datasheet's 989
-    "A100": 312.0,
-    "A6000": 154.8,
-    "3090": 142.0,
-}
-H200_PEAK_TFLOPS = PEAK_TFLOPS["H200"]
+from .schema import H200_PEAK_TFLOPS, PEAK_TFLOPS  # noqa: F401  (the one copy: a measurement fact of rows)
 HARDWARE_ORDER = ("H200", "A100-80GB", "RTX-A6000-48GB", "RTX-3090-24GB")  # figure/table order
 
 
@@ -125,6 +118,7 @@ class SweepConfig:
 
     name: str = MISSING
     description: str = ""
+    order: int = 100  # position of the sweep in reports and figures (experiments.schema.known_sweeps)
     systems: List[str] = MISSING
     models: List[str] = field(default_factory=list)
     depths: List[int] = field(default_factory=list)
@@ -168,6 +162,9 @@ class RunConfig:
     max_position_embeddings: int = 0
     gpus: int = 1  # processes per node; > 1 only for systems whose record supports it
     seed: int = 0  # initial weights and synthetic data
+    # the batches: "synthetic" (uniform random tokens: clipping fires every step at random init) or "text"
+    # (byte-level tokens of the Python standard library's source, megatrain.data.text_batch: real text)
+    data: str = "synthetic"
     timeout_s: float = 1800.0  # per point (the training process; init weights have their own)
     init_timeout_s: float = 3600.0  # writing a model's initial weights into the cache
     # Stop starting points once this many seconds have passed (a point's timeout is clipped to what is
@@ -239,12 +236,50 @@ def _nested_schema(cls, name: str):
     return None
 
 
+CONF_DIR = Path(__file__).resolve().parent / "conf"
+
+
+def group_choices(group: str) -> list[str]:
+    """The options of a config group: ``conf/<group>/*.yaml`` (models: the presets)."""
+    if group == "model":
+        from megatrain.spec import PRESETS
+
+        return list(PRESETS)
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def check_choices(args: list[str]) -> str | None:
+    """One line for a group choice that does not exist (``sweep=nope``, ``model=bogus``) naming the valid
+    ones, or for ``system.options...`` without ``system=`` (the options of which system?). None if fine."""
+    chosen = {}
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+~")
+        if key in GROUP_SCHEMAS:
+            chosen[key] = value
+    searchpath = any(a.lstrip("+~").startswith("hydra.searchpath") for a in args)  # other config folders
+    for group, value in ({} if searchpath else chosen).items():
+        valid = group_choices(group) + (["null"] if group == "system" else [])
+        if value not in valid:
+            return f"error: {group}={value} does not exist; valid: {', '.join(valid)}"
+    if "system" not in chosen and any(a.split("=", 1)[0].lstrip("+~").startswith("system.") for a in args
+                                      if "=" in a and not a.startswith("-")):
+        return (f"error: system.* overrides need the system they edit, e.g. system=megatrain "
+                f"(one of: {', '.join(group_choices('system'))})")
+    return None
+
+
 def check_overrides(args: list[str]) -> str | None:
     """A message for the first override whose key does not exist (listing the valid keys), else None.
 
-    Hydra itself rejects unknown keys, but without saying which exist; this runs first. Group choices
-    (``sweep=nope``) are left to hydra, whose message lists the available options.
+    Hydra itself rejects unknown keys, but without saying which exist; this runs first, after
+    ``check_choices`` (unknown group options, system.* without system=).
     """
+    choice = check_choices(args)
+    if choice:
+        return choice
     groups = set(GROUP_SCHEMAS)
     top = _fields(RunConfig)
     chosen_system = None

@@ -8,6 +8,7 @@ job and its result into a ``experiments.schema`` row.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from .cache import init_complete
 from .point import one_line, read_metrics, summarize
+from .schema import Row
 from .sweeps import Job
 
 GIB = 2**30
@@ -155,36 +157,46 @@ def launch(job: Job, *, timeout: float, init_timeout: float, log=print) -> dict:
     return result
 
 
-def to_row(job: Job, result: dict, env: dict) -> dict:
-    """The CSV row (``experiments.schema.COLUMNS``) of a job and its result."""
+def to_row(job: Job, result: dict, env: dict) -> Row:
+    """The typed row (``experiments.schema.Row``) of a job and its result. ``result`` may carry a
+    ``skip`` (``sweeps.Skip``: why it was not launched) and ``reason`` (e.g. "budget_cut")."""
     spec = job.spec
     m = result.get("metrics") or {}
     gib = lambda b: (b / GIB) if isinstance(b, (int, float)) and b is not None and b >= 0 else None  # noqa: E731
     p = job.num_params
     rss = result.get("host_peak_rss_bytes")
-    est = job.host_estimate_bytes
     ok = result.get("status") == "ok"
     hw = job.hardware
     info = result.get("system_info") or {}
-    settings = {**(info.get("settings") or {}), **_host_settings(result)}
-    return dict(
+    opts = job.options or {}
+    timed = (lambda k: m.get(k) if ok else None)  # noqa: E731 - step statistics only from a finished point
+    # placement: what the engine reported at build, else (not launched) what its plan predicted
+    tiers = info.get("tiers") or (job.tiers or {})
+    skip = result.get("skip")
+    row = Row(
         sweep=job.sweep, point=job.id, system=job.system, variant=job.variant,
-        status=result.get("status", "error"), error=result.get("error", ""), model=job.model,
-        family=spec["family"], num_params=p, num_layers=spec["num_layers"], hidden_size=spec["hidden_size"],
-        intermediate_size=spec["intermediate_size"], width_mult=job.width, seq_len=job.seq_len,
-        batch_size=job.batch_size, micro_batches=job.micro_batches,
+        status=result.get("status", "error"), error=result.get("error", ""), reason=result.get("reason", ""),
+        model=job.model, family=spec["family"], num_params=p, num_layers=spec["num_layers"],
+        hidden_size=spec["hidden_size"], intermediate_size=spec["intermediate_size"], width_mult=job.width,
+        seq_len=job.seq_len, batch_size=job.batch_size, micro_batches=job.micro_batches,
         tokens_per_step=job.tokens_per_step, hardware=hw["label"], emulated=hw["emulated"],
         gpu_mem_cap_gib=hw.get("gpu_mem_gib"), steps=job.steps, warmup_steps=job.warmup_steps,
-        step_time_median_s=m.get("step_time_median_s") if ok else None,
-        step_time_mean_s=m.get("step_time_mean_s") if ok else None,
-        tokens_per_s=m.get("tokens_per_s") if ok else None, tflops=m.get("tflops") if ok else None,
-        mfu=m.get("mfu") if ok else None, peak_tflops=hw.get("peak_tflops"),
+        step_time_median_s=timed("step_time_median_s"), step_time_mean_s=timed("step_time_mean_s"),
+        tokens_per_s=timed("tokens_per_s"), tflops=timed("tflops"), mfu=timed("mfu"),
+        peak_tflops=hw.get("peak_tflops"),
+        timed_steps=timed("timed_steps"), step_time_min_s=timed("step_time_min_s"),
+        step_time_max_s=timed("step_time_max_s"), step_time_stdev_s=timed("step_time_stdev_s"),
+        steps_clipped=timed("steps_clipped"), max_grad_norm=float(job.optim.max_grad_norm or 0),
         gpu_peak_allocated_gib=gib(result.get("gpu_peak_allocated_bytes")),
         gpu_peak_reserved_gib=gib(result.get("gpu_peak_reserved_bytes")),
         gpu_peak_nvml_gib=gib(result.get("gpu_peak_nvml_bytes")),
         host_peak_rss_gib=gib(rss), host_pinned_gib=gib(result.get("host_pinned_bytes")),
         host_bytes_per_param=(rss / p) if rss and p else None,
-        host_estimate_gib=gib(est), loss_first=m.get("loss_first"), loss_last=m.get("loss_last"),
+        host_estimate_gib=gib(job.host_estimate_bytes), loss_first=m.get("loss_first"), loss_last=m.get("loss_last"),
+        gpu_tier_layers=tiers.get("gpu_tier_layers"), host_tier_layers=tiers.get("host_tier_layers"),
+        gpu_tier_params=tiers.get("gpu_tier_params"), host_tier_params=tiers.get("host_tier_params"),
+        blocks=info.get("blocks"), blocks_kept=info.get("blocks_kept"),
+        predicted_step_s=info.get("predicted_step_s"),
         gpu_name=result.get("gpu_name") or env.get("gpu_name", ""), driver=env.get("driver", ""),
         torch_version=env.get("torch_version", ""), transformers_version=env.get("transformers_version", ""),
         deepspeed_version=env.get("deepspeed_version", ""), git_sha=env.get("git_sha", ""),
@@ -192,16 +204,23 @@ def to_row(job: Job, result: dict, env: dict) -> dict:
         # the engine's plan used (the node's own total stays in runs.jsonl's env)
         host_ram_gib=hw.get("host_ram_gib") or env.get("host_ram_gib"), date=_now(),
         duration_s=result.get("duration_s"), optimizer=info.get("optimizer", ""),
-        settings=json.dumps(settings, sort_keys=True, separators=(",", ":"), default=str) if settings else "",
+        dtype=resolved_dtype(job), data=job.data, cpu_cores=result.get("cpu_cores"), torch_threads=result.get("torch_threads"),
+        host_link_gbps=result.get("host_link_gbps") or hw.get("host_link_gbps"),
+        gpu_resident=str(opts.get("gpu_resident", "")) if job.system == "megatrain" else "",
+        checkpoint_interval=opts.get("checkpoint_interval") if job.system == "megatrain" else None,
+        settings=json.dumps(info["settings"], sort_keys=True, separators=(",", ":"), default=str)
+        if info.get("settings") else "",
     )
+    if skip is not None:
+        row = dataclasses.replace(row, **skip.row_fields())
+    return row
 
 
-def _host_settings(result: dict) -> dict:
-    """The point process's host side that matters for speed, for the row's ``settings``: the cores it
-    could run on (``cpu_cores``, a profile's cap or the whole affinity set), torch's threads and an emulated
-    host link (``host_link_gbps``, only when the profile has one). Kept in ``settings`` rather than new
-    columns so the committed CSVs (the current header) stay appendable."""
-    return {k: result[k] for k in ("cpu_cores", "torch_threads", "host_link_gbps") if result.get(k) is not None}
+def resolved_dtype(job: Job) -> str:
+    """The compute dtype the point ran with, as a word (auto resolved as the point process does)."""
+    if job.dtype != "auto":
+        return job.dtype
+    return "fp32" if job.device == "cpu" else "bf16"
 
 
 def _now() -> str:

@@ -129,10 +129,20 @@ def summarize(records: list[dict], job: Job) -> dict:
     if records:
         out["loss_first"] = records[0].get("loss")
         out["loss_last"] = records[-1].get("loss")
-    times = [r["step_time_s"] for r in records if not r.get("warmup")]
+    timed = [r for r in records if not r.get("warmup")]
+    times = [r["step_time_s"] for r in timed]
     out["measured_steps_done"] = len(times)
     if not times:
         return out
+    # the spread of the timed steps: a difference inside it is noise, not a result
+    out.update(timed_steps=len(times), step_time_min_s=min(times), step_time_max_s=max(times),
+               step_time_stdev_s=statistics.stdev(times) if len(times) > 1 else None)
+    # clipping fired in a step whose global gradient norm exceeded the threshold (the same test for every
+    # system: the norm each reports before clipping); unknown when a system reports no norm
+    mgn = float(job.optim.max_grad_norm or 0)
+    norms = [r.get("grad_norm") for r in timed]
+    if all(n is not None for n in norms):
+        out["steps_clipped"] = sum(1 for n in norms if mgn > 0 and float(n) > mgn)
     med = statistics.median(times)
     tokens = job.tokens_per_step  # batch_size is per GPU: every GPU's tokens count
     flops = step_flops(job.num_params, job.spec["num_layers"], job.spec["hidden_size"], job.seq_len, tokens)
@@ -267,11 +277,18 @@ def train(job: Job, applied: dict | None = None) -> int:
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         total = job.warmup_steps + job.steps
         vocab = job.spec["vocab_size"]
+        if job.data == "text":  # real text, byte-level token ids (< 256 <= every preset's vocabulary)
+            from megatrain.data import stdlib_text_bytes, text_batch
+
+            text = stdlib_text_bytes()
+            make_batch = lambda step: text_batch(text, job.batch_size, job.seq_len, job.seed, step=step)  # noqa: E731
+        else:
+            make_batch = lambda step: synthetic_batch(vocab, job.batch_size, job.seq_len, job.seed, step=step)  # noqa: E731
         with open(pdir / "metrics.jsonl", "a") as mf, \
                 tqdm(total=total, desc="steps", file=sys.stderr, mininterval=5, dynamic_ncols=False) as bar:
             for i in range(total):
                 # data parallel: rank r's batch of step i is its own (batch_size rows per GPU)
-                batch = synthetic_batch(vocab, job.batch_size, job.seq_len, job.seed, step=i * _world() + _rank())
+                batch = make_batch(i * _world() + _rank())
                 sync()
                 t = time.perf_counter()
                 r = system.step(batch)

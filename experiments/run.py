@@ -12,8 +12,9 @@ Every point runs in its own process (``experiments.point``) with a timeout; its 
 host_oom, timeout, error), and the sweep goes on. ``results_dir`` defaults to ``runs/<machine>/``: a run
 never writes into the committed ``results/`` unless asked (``results_dir=results``), and never appends to
 a CSV measured on another machine. Every point is validated before the first one starts. A rerun skips
-points whose last row is ok/skipped (``redo=true`` re-runs them) and retries the others. Exit status 1
-when no point succeeded. See docs/runner.md.
+points whose last row is ok/skipped (``redo=true`` re-runs them) and retries the others. Exit status 2
+for a config error (one line), 1 when a point timed out or failed for a reason other than memory (the last
+line names them) or when no point succeeded, else 0. See docs/runner.md.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ from . import schema
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
-TABLE_COLUMNS = ["point", "status", "step_time_median_s", "tokens_per_s", "tflops", "mfu",
+TABLE_COLUMNS = ["point", "status", "step_time_median_s", "step_time_min_s", "step_time_max_s", "tokens_per_s",
+                 "tflops", "mfu",
                  "gpu_peak_allocated_gib", "host_peak_rss_gib", "host_bytes_per_param", "error"]
 
 
@@ -103,6 +105,32 @@ def hydra_option_loader():
     return load
 
 
+def build_kernels_ahead(jobs) -> None:
+    """Build the host AdamW C++ kernel once, before any point is timed (a first build inside a point would
+    count the compiler's minutes and memory as the point's). ``megatrain.kernels`` builds it in a child
+    process, bounded in time; a failure is one warning line and the engine falls back to torch's AdamW."""
+    import os
+
+    if not any(j.system == "megatrain" for j in jobs) or os.environ.get("MEGATRAIN_HOST_ADAMW") == "torch":
+        return
+    try:
+        from megatrain import kernels
+    except ImportError:  # an engine without the build-ahead module: the first point builds it
+        return
+    try:
+        kernels.build()
+    except Exception as exc:  # noqa: BLE001 - a failed build is the engine's fallback, not the sweep's end
+        print(f"warning: {kernels.fallback_warning(exc)}", file=sys.stderr, flush=True)
+
+
+def cli_option_keys() -> frozenset:
+    """The ``system.options.<key>`` keys set on the command line (they must not lose to a sweep variant)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    keys = [o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task if "=" in o]
+    return frozenset(k.split(".", 2)[2] for k in keys if k.startswith("system.options.") and k.count(".") >= 2)
+
+
 def human(n: float) -> str:
     for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= div:
@@ -132,7 +160,8 @@ def run(cfg) -> dict:
     t_start = time.time()
     device = resolve_device(cfg.device)
     env = envinfo.collect(device)
-    jobs = sweeps.expand(cfg, hydra_option_loader(), device=device, gpu_name=env["gpu_name"])
+    jobs = sweeps.expand(cfg, hydra_option_loader(), device=device, gpu_name=env["gpu_name"],
+                         cli_options=cli_option_keys())
     sweeps.validate(jobs)  # every point checked before anything runs
     results = results_root(cfg, device, env["gpu_name"])
     out = (results / cfg.sweep.name).resolve()
@@ -143,6 +172,7 @@ def run(cfg) -> dict:
     status = schema.point_status(csv_path)
     run_cfg = OmegaConf.to_container(cfg, resolve=True)
 
+    estimates: dict[str, dict | None] = {}  # one host estimate per job (the plan is not cheap)
     print(f"sweep {cfg.sweep.name}: {len(jobs)} point(s) on {device}"
           f"{' (' + env['gpu_name'] + ')' if env['gpu_name'] and device != 'cpu' else ''}; "
           f"results in {csv_path}", flush=True)
@@ -152,15 +182,17 @@ def run(cfg) -> dict:
         job.init_dir = "" if (engine_init or job.sft) else str(K.init_paths(job.spec, job.seed, cache)[1])
         est = sweeps.host_estimate(job, device, env.get("gpu_total_bytes"))
         job.host_estimate_bytes = est["total_bytes"] if est else None
+        job.tiers = est.get("tiers") if est and job.system == "megatrain" else None
+        estimates[job.id] = est
     if cfg.dry_run:
         for job in jobs:
             prev = status.get(job.id)
             if prev in schema.DONE_STATUSES and not cfg.redo:
                 action = f"done ({prev})"
             else:
-                est = sweeps.host_estimate(job, device, env.get("gpu_total_bytes"))
-                action = sweeps.skip_reason(job, device=device, available_host=sweeps.available_host(job),
-                                            gpu_total=env.get("gpu_total_bytes"), estimate=est) or "run"
+                est = estimates[job.id]
+                action = str(sweeps.skip_reason(job, device=device, available_host=sweeps.available_host(job),
+                                                gpu_total=env.get("gpu_total_bytes"), estimate=est) or "run")
                 if est and action == "run" and not record(job.system).on_device:
                     action += f" (engine host estimate {est['total_bytes'] / GIB:.1f} GiB)"
             print(f"  {job.id}  P={human(job.num_params)}  {action}")
@@ -168,6 +200,7 @@ def run(cfg) -> dict:
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "README.md").write_text(schema.csv_readme(cfg.sweep.name))
+    build_kernels_ahead(jobs)
     with open(out / "runs.jsonl", "a") as f:  # one line per invocation: environment and config
         f.write(json.dumps({"env": env, "config": run_cfg}, default=str) + "\n")
 
@@ -187,11 +220,10 @@ def run(cfg) -> dict:
             bar.write(f"{tag} [done]    {job.id} ({status[job.id]}; redo=true re-runs it)")
             continue
         # the point's own view of host RAM: a host_ram_gib profile's cap, as its engine will plan with it
-        reason = sweeps.skip_reason(job, device=device, available_host=sweeps.available_host(job),
-                                    gpu_total=env.get("gpu_total_bytes"),
-                                    estimate=sweeps.host_estimate(job, device, env.get("gpu_total_bytes")))
-        if reason:
-            result = {"status": "skipped", "error": reason}
+        skip = sweeps.skip_reason(job, device=device, available_host=sweeps.available_host(job),
+                                  gpu_total=env.get("gpu_total_bytes"), estimate=estimates[job.id])
+        if skip:
+            result = {"status": "skipped", "error": skip.text, "skip": skip}
             counts["skipped"] += 1
         else:
             timeout, init_timeout = cfg.timeout_s, cfg.init_timeout_s
@@ -206,12 +238,15 @@ def run(cfg) -> dict:
             bar.write(f"{tag} [run]     {job.id}")
             result = L.launch(job, timeout=timeout, init_timeout=init_timeout, log=lambda m: bar.write(m))
             if result.get("status") == "timeout" and timeout < cfg.timeout_s:
-                result["error"] += f" ({schema.BUDGET_CUT}; a rerun retries it)"
+                result["reason"] = "budget_cut"
+                result["error"] += " (clipped by time_budget_s; a rerun retries it)"
             counts["launched"] += 1
-        row = L.to_row(job, result, env)
-        schema.append_row(csv_path, schema.make_row(**row))
+        row = schema.make_row(row=L.to_row(job, result, env))
+        schema.append_row(csv_path, row)
         statuses[row["status"]] = statuses.get(row["status"], 0) + 1
         counts["ok"] += row["status"] == "ok"
+        if row["status"] in ("timeout", "error") and row["reason"] != "budget_cut":  # not a memory verdict
+            counts.setdefault("failed", []).append(f"{job.id} ({row['status']})")
         bar.write(f"{tag} [{row['status']}]{' ' * max(1, 8 - len(row['status']))}{job.id}  {_tail(row, device)}")
     bar.close()
 
@@ -226,14 +261,8 @@ def run(cfg) -> dict:
           f"; this run: {summary}; "
           f"{time.time() - t_start:.0f}s; results: {csv_path}", flush=True)
     if cfg.post:
-        _post(results, Path(cfg.plots_dir) if cfg.plots_dir else plots_dir_for(results))
+        _post(results.resolve(), cfg.plots_dir)
     return counts
-
-
-def plots_dir_for(results: Path) -> Path:
-    """Figures of a results folder: the committed results/ -> plots/ (beside it); any other -> inside."""
-    results = results.resolve()
-    return results.parent / "plots" if results == (REPO_ROOT / "results").resolve() else results / "plots"
 
 
 def _tail(row: dict, device: str) -> str:
@@ -246,24 +275,36 @@ def _tail(row: dict, device: str) -> str:
 
 
 def failure_message(counts: dict, name: str) -> str | None:
-    """One line saying why a sweep failed: points were launched and none succeeded (none now, none
-    before). Points skipped by the memory rules are an answer, not a failure."""
+    """One line saying why a sweep failed: a point timed out or raised (any failure but a memory verdict:
+    skipped by the memory rules, GPU or host out of memory), naming those points; or points were launched
+    and none succeeded. None when the sweep did its job."""
+    failed = counts.get("failed") or []
+    if failed:
+        return (f"sweep {name}: {len(failed)} point(s) failed for a reason other than memory: {', '.join(failed)}; "
+                f"see each point's log.txt")
     if counts.get("ok") or counts.get("done_ok") or not counts.get("launched"):
         return None
     return (f"sweep {name}: no point succeeded ({counts['launched']} launched, {counts['skipped']} skipped, "
             f"{counts['done']} done before without success); see the table above and each point's log.txt")
 
 
-def _post(results: Path, plots_dir: Path) -> None:
-    """Figures and REPORT.md from this results folder's CSVs alone, so every sweep leaves something a
-    person can read. A failure here must not hide the sweep's results, which are already on disk."""
-    from . import plots, report
+def _post(results: Path, plots_dir: str | None) -> None:
+    """Figures and REPORT.md from this results folder's CSVs alone (the analysis package, in its own
+    process: the runner never imports it), so every sweep leaves something a person can read. A failure
+    here must not hide the sweep's results, which are already on disk."""
+    import subprocess
 
-    try:
-        plots.main(["--results", str(results), "--out", str(plots_dir)])
-        report.main(["--results", str(results), "--out", str(results / "REPORT.md"), "--plots", str(plots_dir)])
-    except Exception as exc:  # noqa: BLE001 - reported, never fatal
-        print(f"warning: figures/report not regenerated: {type(exc).__name__}: {exc}", file=sys.stderr)
+    out = ["--out", plots_dir] if plots_dir else []
+    for cmd in (["analysis.plots", "--results", str(results), *out],
+                ["analysis.report", "--results", str(results), "--out", str(results / "REPORT.md"),
+                 *(["--plots", plots_dir] if plots_dir else [])]):
+        try:
+            proc = subprocess.run([sys.executable, "-m", *cmd], cwd=REPO_ROOT, timeout=600)
+        except subprocess.TimeoutExpired:
+            print(f"warning: {cmd[0]} took over 600 s and was stopped", file=sys.stderr)
+            continue
+        if proc.returncode:
+            print(f"warning: {cmd[0]} exited with {proc.returncode}; the sweep's rows are on disk", file=sys.stderr)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -69,6 +69,7 @@ class Job:
     steps: int = 5
     warmup_steps: int = 2
     seed: int = 0
+    data: str = "synthetic"  # "synthetic" | "text" (RunConfig.data)
     device: str = "cpu"
     dtype: str = "auto"
     torch_threads: int | None = None
@@ -79,6 +80,7 @@ class Job:
     cache_dir: str = ""
     host_estimate_bytes: int | None = None
     sft: dict | None = None  # sweep.sft (experiments/sft_config.py): an SFT point (experiments/sft_point.py)
+    tiers: dict | None = None  # the engine plan's placement as numbers (sweeps.tier_counts), when predicted
 
     @property
     def tokens_per_step(self) -> int:
@@ -186,10 +188,18 @@ def torch_threads_for(run_level: int | None, hw: dict) -> int | None:
     return run_level if run_level is not None else hw.get("cpu_cores")
 
 
-def merge_options(system: str, base: dict, overrides: dict, variant: str, run_level: dict) -> dict:
+def merge_options(system: str, base: dict, overrides: dict, variant: str, run_level: dict,
+                  cli_keys: frozenset = frozenset()) -> dict:
     """System options with a variant's overrides. Typed systems (megatrain: EngineConfig) reject unknown
     keys and bad values here, before anything runs, and get the run-level engine fields (the same for
-    every system) from ``run_level``; setting one of those as a system option is an error."""
+    every system) from ``run_level``; setting one of those as a system option is an error. An option set
+    on the command line (``cli_keys``) that a variant sets to another value is refused: neither may
+    silently win."""
+    for key in sorted(set(overrides) & set(cli_keys)):
+        if str(overrides[key]) != str(base.get(key)):
+            raise SweepError(f"system.options.{key}={base.get(key)} on the command line clashes with variant "
+                             f"{variant!r} ({key}={overrides[key]}); drop one of them (the sweep's variants are in "
+                             f"conf/sweep/<name>.yaml)")
     schema = C.SYSTEM_OPTION_SCHEMAS.get(system)
     if schema is None:
         out = dict(base)
@@ -220,7 +230,36 @@ def merge_options(system: str, base: dict, overrides: dict, variant: str, run_le
     return merged
 
 
-def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name: str = "") -> list[Job]:
+def split_variant(system: str, overrides: dict) -> tuple[dict, dict]:
+    """(system options, run fields) of a variant for ``system``. ``optim.<field>`` keys change the
+    optimizer of every system (e.g. ``optim.max_grad_norm: 0``, no clipping) and ``data`` their batches
+    (returned as ``__data__``); the other keys are system
+    options: a typed system (megatrain) gets them all (a typo fails in ``merge_options``), any other
+    system gets none of the engine's own option names (they mean nothing to it)."""
+    optim = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("optim.")}
+    rest = {k: v for k, v in overrides.items() if not k.startswith("optim.") and k != "data"}
+    if "data" in overrides:  # the batches, like the optimizer, belong to every system
+        optim["__data__"] = overrides["data"]
+    if C.SYSTEM_OPTION_SCHEMAS.get(system) is None:
+        engine_fields = {f.name for schema in C.SYSTEM_OPTION_SCHEMAS.values() for f in dataclasses.fields(schema)}
+        rest = {k: v for k, v in rest.items() if k not in engine_fields}
+    return rest, optim
+
+
+def optim_with(optim: OptimConfig, fields: dict, variant: str) -> OptimConfig:
+    """``optim`` with a variant's ``optim.<field>`` values; an unknown field is refused."""
+    fields = {k: v for k, v in fields.items() if k != "__data__"}
+    if not fields:
+        return optim
+    valid = {f.name for f in dataclasses.fields(OptimConfig)}
+    bad = sorted(set(fields) - valid)
+    if bad:
+        raise SweepError(f"variant {variant!r}: unknown optimizer field(s) {bad}; valid: {', '.join(sorted(valid))}")
+    return replace(optim, **fields)
+
+
+def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name: str = "",
+           cli_options: frozenset = frozenset()) -> list[Job]:
     """All jobs of ``cfg.sweep``, in run order (model-major, so one model's initial weights are
     written once and reused by the systems that follow). ``load_option(group, name)`` returns the
     config of a ``system`` or ``hardware`` group option (the run's selected ones are used as they are,
@@ -274,12 +313,15 @@ def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name
                          f"({sw.long_steps}) >= 1 and long_warmup_steps ({sw.long_warmup_steps}) >= 0")
     max_pos = int(cfg.max_position_embeddings)
     optim = OptimConfig(**{**_container(cfg.optim), "betas": tuple(cfg.optim.betas)})
+    if str(cfg.data) not in ("synthetic", "text"):
+        raise SweepError(f"data={cfg.data}: valid: synthetic, text")
     common = dict(optim=optim, steps=int(cfg.steps), warmup_steps=int(cfg.warmup_steps), seed=int(cfg.seed),
+                  data=str(cfg.data),
                   device=device, dtype=str(cfg.dtype), torch_threads=cfg.torch_threads, gpus=int(cfg.gpus))
     run_level = {"max_position_embeddings": max_pos}
 
     points: list[Job] = []
-    seen = set()
+    seen, runs = set(), set()
     for model in models:
         for depth in depths:
             for width in widths:
@@ -294,15 +336,25 @@ def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name
                                 sc = sys_cfgs[system]
                                 if hwe.get("host_link_gbps") and not emulates_host_link(system):
                                     continue  # an emulated host link: only systems that can emulate it
-                                opts = merge_options(system, sc.get("options") or {}, overrides or {}, variant,
-                                                     dict(run_level, host_link_gbps=hwe.get("host_link_gbps")))
+                                sys_over, optim_over = split_variant(system, overrides or {})
+                                same = (system, model, depth, width, seq, batch, hw,
+                                        json.dumps([sys_over, optim_over], sort_keys=True, default=str))
+                                if same in runs:
+                                    continue  # what applies of this variant equals an earlier one: the same run twice
+                                runs.add(same)
+                                opts = merge_options(system, sc.get("options") or {}, sys_over, variant,
+                                                     dict(run_level, host_link_gbps=hwe.get("host_link_gbps")),
+                                                     cli_options if cfg.system is not None
+                                                     and system == cfg.system.name else frozenset())
                                 pid = point_id(system, model, spec.num_layers, width, seq, batch, variant,
                                                hwe["label"])
                                 if pid in seen:
                                     continue
                                 seen.add(pid)
                                 job_common = dict(common, gpus=int(hwe.get("gpus") or common["gpus"]),
-                                                  torch_threads=torch_threads_for(cfg.torch_threads, hwe))
+                                                  torch_threads=torch_threads_for(cfg.torch_threads, hwe),
+                                                  optim=optim_with(common["optim"], optim_over, variant),
+                                                  data=str(optim_over.get("__data__", common["data"])))
                                 if sw.long_seq_from and seq >= int(sw.long_seq_from):  # fewer, longer steps
                                     job_common.update(steps=int(sw.long_steps),
                                                       warmup_steps=int(sw.long_warmup_steps))
@@ -359,8 +411,19 @@ def _megatrain_plan(point: Job, gpu_bytes: int) -> dict:
         plan = plan_for_spec(spec, dict(point.options, gpu_resident="0"), gpu_free=1 << 62,
                              host_available=1 << 62, **kw)
     host = sum(plan.host_parts.values())
-    return {"total_bytes": host, "num_params": spec.num_params(), "bytes_per_param": host / spec.num_params(),
-            "gpu_refusal": refusal, "plan": plan.summary()}
+    out = {"total_bytes": host, "num_params": spec.num_params(), "bytes_per_param": host / spec.num_params(),
+           "gpu_refusal": refusal, "plan": plan.summary(), "tiers": tier_counts(plan)}
+    if refusal:  # what the streaming plan needs on the GPU against what the GPU has after the plan's margin
+        margin = int(float(point.options.get("gpu_margin_gib", 0) or 0) * GIB)
+        out.update(gpu_need_bytes=sum(plan.gpu_parts.values()), gpu_usable_bytes=gpu_bytes - margin)
+    return out
+
+
+def tier_counts(plan) -> dict:
+    """The placement as numbers: decoder layers and params on each tier (row fields)."""
+    layers = [n for n in plan.tiers if n.startswith("layer.")]
+    return {"gpu_tier_layers": plan.gpu_layers, "host_tier_layers": len(layers) - plan.gpu_layers,
+            "gpu_tier_params": plan.params_on("gpu"), "host_tier_params": plan.params_on("host")}
 
 
 CUDA_CONTEXT_BYTES = 1 << 30  # the CUDA context and torch's own, not available to the plan
@@ -390,36 +453,63 @@ def gpu_capacity_bytes(point: Job, real_total: int | None) -> int | None:
     return real_total
 
 
+@dataclass(frozen=True)
+class Skip:
+    """Why a point is not launched: ``reason`` (a key of ``experiments.schema.REASONS``), the bytes
+    needed and available per memory (None: not a memory skip), and one line for people (``text``). The
+    row carries the fields; nothing reads ``text`` back."""
+
+    reason: str
+    text: str
+    need_host: int | None = None
+    have_host: int | None = None
+    need_gpu: int | None = None
+    have_gpu: int | None = None
+
+    def __str__(self) -> str:
+        return self.text
+
+    def row_fields(self) -> dict:
+        gib = lambda b: b / GIB if b is not None else None  # noqa: E731
+        return {"reason": self.reason, "need_host_gib": gib(self.need_host), "have_host_gib": gib(self.have_host),
+                "need_gpu_gib": gib(self.need_gpu), "have_gpu_gib": gib(self.have_gpu)}
+
+
 def skip_reason(point: Job, *, device: str, available_host: int | None, gpu_total: int | None,
-                estimate: dict | None) -> str | None:
+                estimate: dict | None) -> Skip | None:
     """Why the point should not be launched (None: launch it)."""
     p = point.num_params
     rec = record(point.system)
     if device == "cpu" and not rec.runs_on_cpu:
-        return f"skipped: {rec.label} needs a GPU (this run is on the CPU)"
+        return Skip("needs_gpu", f"skipped: {rec.label} needs a GPU (this run is on the CPU)")
     if rec.on_device:
         if device == "cpu":  # "all on the device" = all in host RAM: fp32 weights, grads, Adam m, v
             need = NATIVE_CPU_BYTES_PER_PARAM * p
             if available_host is not None and need > available_host:
-                return (f"skipped: training on the CPU needs >= {NATIVE_CPU_BYTES_PER_PARAM} B/param = "
-                        f"{need / GIB:.1f} GiB > {_host_ram_text(point, available_host)}")
+                return Skip("host_memory", f"skipped: training on the CPU needs >= {NATIVE_CPU_BYTES_PER_PARAM} "
+                            f"B/param = {need / GIB:.1f} GiB > {_host_ram_text(point, available_host)}",
+                            need_host=need, have_host=available_host)
             return None
         cap = gpu_capacity_bytes(point, gpu_total)
         need = NATIVE_BYTES_PER_PARAM * p
         if cap is not None and need > cap:
-            return (f"skipped: all-on-GPU needs >= {NATIVE_BYTES_PER_PARAM} B/param (fp32 weights + Adam m, v) "
-                    f"= {need / GIB:.1f} GiB > {cap / GIB:.1f} GiB of GPU memory")
+            return Skip("gpu_memory", f"skipped: all-on-GPU needs >= {NATIVE_BYTES_PER_PARAM} B/param (fp32 weights "
+                        f"+ Adam m, v) = {need / GIB:.1f} GiB > {cap / GIB:.1f} GiB of GPU memory",
+                        need_gpu=need, have_gpu=cap)
         return None
     if estimate is not None and estimate.get("gpu_refusal"):
-        return f"skipped: engine plan: {estimate['gpu_refusal']} (host side: {estimate['total_bytes'] / GIB:.1f} GiB)"
-    if estimate is not None and "plan" in estimate and available_host is not None \
-            and estimate["total_bytes"] > available_host:
-        return (f"skipped: engine plan (GPU tier filled first): host needs {estimate['total_bytes'] / GIB:.1f} GiB "
-                f"({p / 1e9:.2f}B params) > {_host_ram_text(point, available_host)}")
+        need_gpu, have_gpu = estimate.get("gpu_need_bytes"), estimate.get("gpu_usable_bytes")
+        numbers = (f"GPU needs {need_gpu / GIB:.1f} GiB > {have_gpu / GIB:.1f} GiB usable"
+                   if need_gpu is not None and have_gpu is not None else estimate["gpu_refusal"])
+        return Skip("plan_gpu", f"skipped: the engine's plan refuses the GPU side even with every layer streamed: "
+                    f"{numbers} (host side: {estimate['total_bytes'] / GIB:.1f} GiB)",
+                    need_gpu=need_gpu, have_gpu=have_gpu, need_host=estimate["total_bytes"])
     if estimate is not None and available_host is not None and estimate["total_bytes"] > available_host:
-        return (f"skipped: engine host estimate {estimate['total_bytes'] / GIB:.1f} GiB "
-                f"({estimate['bytes_per_param']:.2f} B/param x {p / 1e9:.2f}B params) > "
-                f"{_host_ram_text(point, available_host)}")
+        need = estimate["total_bytes"]
+        what = ("engine plan (GPU tier filled first): host needs" if "plan" in estimate else "engine host estimate")
+        per = f"{estimate['bytes_per_param']:.2f} B/param x " if "plan" not in estimate else ""
+        return Skip("host_memory", f"skipped: {what} {need / GIB:.1f} GiB ({per}{p / 1e9:.2f}B params) > "
+                    f"{_host_ram_text(point, available_host)}", need_host=need, have_host=available_host)
     return None
 
 

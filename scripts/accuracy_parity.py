@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from experiments.accuracy import agreement, eval_curves, format_agreement, plot_accuracy, read_rows  # noqa: E402,F401
+from analysis.accuracy import agreement, eval_curves, format_agreement, plot_accuracy, read_rows  # noqa: E402,F401
 from megatrain.spec import PRESETS, get_preset  # noqa: E402
 from megatrain.system import IGNORE_INDEX, OptimConfig, shift_labels  # noqa: E402
 

@@ -1,11 +1,11 @@
 """Data-parallel training with the engine: one process per GPU, one host store per node (docs/distributed.md).
 
     torchrun --nproc-per-node 2 scripts/dp_train.py --model qwen2.5-7b --batch 158 --seq 1024 \
-        --gpu-resident 0 --steps 3 --warmup 2 --out results/engine --name multigpu
+        --gpu-resident 0 --steps 3 --warmup 2 --out runs/multigpu --name multigpu
     torchrun --nproc-per-node 2 scripts/dp_train.py --model tiny-llama --device cpu --batch 2 --seq 32 --out /tmp/dp
 
 Every rank trains on its own rows of a global synthetic batch (``--batch`` rows of ``--seq`` tokens per
-rank). Rank 0 appends one JSON object to OUT/<name>.jsonl with the keys of results/engine/tiered.jsonl
+rank). Rank 0 appends one JSON object to OUT/<name>.jsonl (system, model, tokens, step_time_s, tflops, ...)
 plus ``gpus`` (ranks), ``nodes``, ``tokens`` (all ranks' tokens per step), ``tokens_per_gpu``,
 ``tokens_per_s`` and ``node_host_pss_gib`` (sum of the node's ranks' PSS: the shared store counted once).
 TFLOPS counts every rank's tokens: (6·P·T + 12·L·h·s·T) / median step time with T = all ranks' tokens.
@@ -33,7 +33,7 @@ import torch.distributed as tdist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_bench import env_info  # noqa: E402
+from experiments.envinfo import collect as env_info  # noqa: E402  (the runner's one environment capture)
 from megatrain import EngineConfig, MegaTrain, OptimConfig, get_preset, step_flops  # noqa: E402
 from megatrain.data import synthetic_batch  # noqa: E402
 from megatrain.distributed import DataParallel  # noqa: E402

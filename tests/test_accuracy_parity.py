@@ -126,7 +126,7 @@ def test_held_out_split_is_disjoint_and_deterministic():
 def test_report_section_from_the_rows(tmp_path):
     """The report's accuracy section: one line per eval step and system, the rule, each system's largest
     difference and the verdict; a doctored curve flips the verdict."""
-    from experiments.accuracy import report_lines
+    from analysis.accuracy import report_lines
 
     rows = [{"system": s, "kind": "eval", "step": st, "eval_loss": 3.0 - st / 100 + (0.001 if s == "zero3" else 0),
              "model": "tiny", "device": "cuda"} for s in ("native", "megatrain", "zero3") for st in (0, 50, 100)]

@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments import fig_host_side, figures, schema  # noqa: E402
+from analysis import fig_host_side, figures  # noqa: E402
+from experiments import schema  # noqa: E402
 
 # a frozen copy of the H200 rows of 2026-12-01 (results/host_side/results.csv may be re-measured); the real
 # link is read from the committed result.json of its link rows (54-56 GB/s on any H200 run)
@@ -99,8 +100,8 @@ def test_only_some_profiles(rows, tmp_path, captured):
 
 
 def test_no_ok_rows_does_not_crash(rows, tmp_path, captured):
-    bad = rows.assign(status="skipped", tflops=float("nan"), tokens_per_s=float("nan"), settings="",
-                      error="skipped: host needs 200.0 GiB > available host RAM 125 GiB")
+    bad = rows.assign(status="skipped", tflops=float("nan"), tokens_per_s=float("nan"), settings="", cpu_cores=float("nan"),
+                      error="prose is not read", reason="host_memory", need_host_gib=200.0, have_host_gib=125.0)
     cores, link, ram = _draw(bad, tmp_path, captured)
     assert any("no successful runs" in t for t in _texts(cores))
     assert "skip: needs 200.0 GiB" in _texts(ram)
@@ -110,7 +111,7 @@ def test_no_ok_rows_does_not_crash(rows, tmp_path, captured):
 def test_failures_without_an_x_value_or_a_known_profile(rows, tmp_path, captured):
     weird = rows.head(3).assign(hardware=["realbox", "mystery", "cores-4"], emulated=[False, True, True],
                                 status=["error", "error", "ok"], tflops=float("nan"), tokens_per_s=float("nan"),
-                                settings="", host_ram_gib=float("nan"))
+                                settings="", cpu_cores=float("nan"), host_ram_gib=float("nan"))
     cores, link, ram = _draw(weird, tmp_path, captured)
     # the real host's cores and RAM are unknown here: listed in the panel instead of dropped
     assert any(t.startswith("× without an x value") and "realbox" in t for t in _texts(cores))

@@ -17,7 +17,7 @@ from experiments import sweeps  # noqa: E402
 
 CONF = ROOT / "experiments" / "conf"
 SWEEPS = ("smoke", "baselines", "size", "depth", "width", "context", "hardware", "ablation", "tokens",
-          "baselines_tune", "host_side", "activations", "update_path", "baselines2026", "accuracy_sft")
+          "baselines_tune", "host_side", "activations", "update_path", "baselines2026", "accuracy_sft", "engine")
 GIB = 2**30
 
 
@@ -204,9 +204,11 @@ def test_host_ram_profiles_skip_with_the_engine_estimate(compose_fn, monkeypatch
     assert reason("qwen2.5-14b", "H200") is None
     for hw in ("host-64GB", "host-96GB"):
         r = reason("qwen2.5-14b", hw)
-        assert r.startswith("skipped: engine plan (GPU tier filled first): host needs 9"), r
-        assert f"(emulated {hw[5:7]} GiB host, profile {hw})" in r
-    assert "host needs 88.9 GiB" in reason("qwen2.5-7b", "host-64GB")
+        assert r.reason == "host_memory" and 90 * GIB <= r.need_host < 100 * GIB, r
+        assert r.have_host == sweeps.available_host(by[("qwen2.5-14b", hw)])
+        assert f"(emulated {hw[5:7]} GiB host, profile {hw})" in r.text
+    r7 = reason("qwen2.5-7b", "host-64GB")
+    assert r7.reason == "host_memory" and "host needs 88.9 GiB" in r7.text
     assert reason("qwen2.5-7b", "host-96GB") is None and reason("qwen2.5-7b", "cores-4") is None
 
 
@@ -214,14 +216,17 @@ def test_ablation_variants_and_overrides(compose_fn):
     _, pts = expand(compose_fn, "sweep=ablation")
     opts = {p.variant: p.options for p in pts}
     assert list(opts) == ["full", "no_double_buffer", "no_slab_pool", "ckpt_interval_1", "no_opt_overlap",
-                          "pure_streaming", "no_speculation", "grads_on_host"]
+                          "pure_streaming", "full_no_clip", "no_speculation", "grads_on_host"]
+    # speculation differs from full only where clipping does not fire: both measured without it
+    clip = {p.variant: p.optim.max_grad_norm for p in pts}
+    assert clip["full_no_clip"] == clip["no_speculation"] == 0.0 and clip["full"] == 1.0
     full = opts["full"]
     assert full["checkpoint_interval"] == 4 and full["num_slots"] == 2 and full["grad_slabs"] > 0
     assert full["overlap_optimizer"] is True
     diff = {v: {k: o[k] for k in o if o[k] != full[k]} for v, o in opts.items()}
     assert diff == {"full": {}, "no_double_buffer": {"num_slots": 1}, "no_slab_pool": {"grad_slabs": 0},
                     "ckpt_interval_1": {"checkpoint_interval": 1}, "no_opt_overlap": {"overlap_optimizer": False},
-                    "pure_streaming": {"gpu_resident": "0"}, "no_speculation": {"speculate": "never"},
+                    "pure_streaming": {"gpu_resident": "0"}, "full_no_clip": {}, "no_speculation": {"speculate": "never"},
                     "grads_on_host": {"grad_placement": "host"}}
     assert {p.model for p in pts} == {"qwen2.5-3b"} and {p.batch_size for p in pts} == {16}
     # the sweep's model default yields to the command line; system options too
@@ -257,7 +262,8 @@ def test_skip_rules(compose_fn):
     assert sweeps.skip_reason(mt7, estimate=est7, **kw) is None
     assert sweeps.skip_reason(mt14, estimate=est14, **kw) is None
     reason = sweeps.skip_reason(mt32, estimate=est32, **kw)
-    assert reason.startswith("skipped: engine plan (GPU tier filled first): host needs") and "GiB" in reason
+    assert reason.reason == "host_memory" and reason.need_host == est32["total_bytes"] and reason.have_host == avail
+    assert reason.row_fields()["need_host_gib"] == est32["total_bytes"] / GIB
     # the pure-streaming estimate (12 B/param) would have skipped 14B: the plan is what the engine does
     assert sweeps.host_estimate(mt14, "cuda")["total_bytes"] > avail
     # 72B: its bf16 gradients alone exceed the GPU, so grad_placement="auto" gives the host tier's a host
@@ -267,21 +273,24 @@ def test_skip_rules(compose_fn):
     assert not est72["gpu_refusal"] and est72["total_bytes"] > 800 * GIB
     assert "grad_placement=auto -> host" in est72["plan"]
     reason = sweeps.skip_reason(mt72, estimate=est72, **kw)
-    assert reason.startswith("skipped: engine plan (GPU tier filled first): host needs") and "126.0 GiB" in reason
+    assert reason.reason == "host_memory" and "126.0 GiB" in reason.text
     # with the gradients kept on the GPU (the engine before grad_placement) it is a GPU-side refusal
     mt72_gpu = dataclasses.replace(mt72, options=dict(mt72.options, grad_placement="gpu"))
     est72_gpu = sweeps.host_estimate(mt72_gpu, "cuda", gpu)
     assert est72_gpu["gpu_refusal"]
-    assert sweeps.skip_reason(mt72_gpu, estimate=est72_gpu, **kw).startswith("skipped: engine plan: GPU needs")
+    refusal = sweeps.skip_reason(mt72_gpu, estimate=est72_gpu, **kw)
+    assert refusal.reason == "plan_gpu" and refusal.need_gpu > refusal.have_gpu > 0
+    assert est72_gpu["tiers"]["gpu_tier_layers"] == 0 and est72_gpu["tiers"]["host_tier_layers"] == 80
     zero3_14 = by[("zero3", "qwen2.5-14b")]
     assert sweeps.skip_reason(zero3_14, estimate=sweeps.host_estimate(zero3_14, "cuda", gpu), **kw)
     # all-on-GPU: judged by GPU memory (12 B/param), not by host RAM
     nat7, nat14 = by[("native", "qwen2.5-7b")], by[("native", "qwen2.5-14b")]
     assert sweeps.skip_reason(nat7, estimate=None, **kw) is None
-    assert "GPU memory" in sweeps.skip_reason(nat14, estimate=None, **kw)
+    nat = sweeps.skip_reason(nat14, estimate=None, **kw)
+    assert nat.reason == "gpu_memory" and nat.need_gpu == 12 * nat14.num_params and nat.have_gpu == gpu
     _, hw = expand(compose_fn, "sweep=hardware", "system=native")
     capped = [p for p in hw if p.hardware["label"] == "RTX-3090-24GB"][0]
-    assert "24.0 GiB of GPU memory" in sweeps.skip_reason(capped, estimate=None, **kw)
+    assert sweeps.skip_reason(capped, estimate=None, **kw).have_gpu == 24 * GIB
     # an emulated 24 GB GPU leaves the 14B engine's host side over this host's RAM
     _, hw = expand(compose_fn, "sweep=hardware", "system=megatrain", "model=qwen2.5-14b")
     mt_3090 = [p for p in hw if p.hardware["label"] == "RTX-3090-24GB"][0]
@@ -384,7 +393,7 @@ def test_size_sweep_has_14b_and_gpu_only_systems_skip_on_cpu(compose_fn):
     by = {j.system: j for j in jobs}
     assert {"zero2", "superoffload"} <= set(by)
     reason = sweeps.skip_reason(by["gemini"], device="cpu", available_host=None, gpu_total=None, estimate=None)
-    assert "needs a GPU" in reason
+    assert reason.reason == "needs_gpu" and "needs a GPU" in reason.text
 
 
 def test_override_precheck_lists_valid_keys():
@@ -394,3 +403,19 @@ def test_override_precheck_lists_valid_keys():
     assert "num_slots" in msg and "checkpoint_interval" in msg and "gpu_resident" in msg
     assert C.check_overrides(["sweep=smoke", "steps=3", "model.depth=2", "system=zero3",
                               "system.options.anything=1", "hydra.run.dir=x", "--cfg", "job"]) is None
+
+
+def test_engine_sweep_variants_apply_per_system(compose_fn):
+    """optim.* and data reach every system; engine options only MegaTrain; identical setups run once."""
+    _, pts = expand(compose_fn, "sweep=engine", "model=qwen2.5-3b")
+    by = {(p.system, p.model, p.variant): p for p in pts}
+    native = sorted(v for s, m, v in by if s == "native" and m == "qwen2.5-3b")
+    assert native == ["default", "no_clip", "text"]  # the streaming variants change nothing of native
+    assert by[("native", "qwen2.5-3b", "no_clip")].optim.max_grad_norm == 0.0
+    assert by[("native", "qwen2.5-3b", "text")].data == "text" and by[("native", "qwen2.5-3b", "default")].data == "synthetic"
+    mt = by[("megatrain", "qwen2.5-3b", "streaming_no_clip")]
+    assert mt.options["gpu_resident"] == "0" and mt.optim.max_grad_norm == 0.0
+    from megatrain.system import OptimConfig
+
+    with pytest.raises(sweeps.SweepError, match="unknown optimizer field"):
+        sweeps.optim_with(OptimConfig(), {"lrr": 1}, "bad")

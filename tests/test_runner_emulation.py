@@ -71,13 +71,9 @@ def test_apply_sets_the_cap_and_clears_an_inherited_one(monkeypatch):
     assert applied == {"cpu_cores": emulation.usable_cores(), "host_ram_cap_gib": None}
     applied = emulation.apply({"name": "host-64GB", "host_ram_gib": 64})
     assert os.environ[memory.HOST_RAM_ENV] == "64" and applied["host_ram_cap_gib"] == 64.0
-    # the host link is emulated by the engine; apply records it, and the row's settings carry it
+    # the host link is emulated by the engine; apply records it, and the row carries it as a column
     applied = emulation.apply({"name": "link-16GBps", "host_link_gbps": 16})
     assert applied["host_link_gbps"] == 16.0 and "host_link_gbps" not in emulation.apply({"name": "real"})
-    from experiments.launch import _host_settings
-
-    assert _host_settings({**applied, "torch_threads": 2}) == {"cpu_cores": applied["cpu_cores"],
-                                                                "torch_threads": 2, "host_link_gbps": 16.0}
 
 
 def test_cores_error():
@@ -124,9 +120,8 @@ def test_a_cores_and_host_capped_point_runs_on_one_core(tmp_path):
     (row,) = [r for _, r in schema.read_results(results / "smoke" / "results.csv").iterrows()]
     assert row["status"] == "ok", row["error"]
     assert row["hardware"] == "cores-1" and row["emulated"] and row["host_ram_gib"] == 16
-    settings = json.loads(row["settings"])
-    assert settings["cpu_cores"] == 1 and settings["torch_threads"] == 1
-    assert settings["checkpoint_interval"] == 1  # the engine's own settings are still there
+    assert row["cpu_cores"] == 1 and row["torch_threads"] == 1  # settings as columns
+    assert row["checkpoint_interval"] == 1 and json.loads(row["settings"])["checkpoint_interval"] == 1
     result = json.loads((results / "smoke" / row["point"] / "result.json").read_text())
     assert result["cpu_cores"] == 1 and len(result["cpu_affinity"]) == 1 and result["torch_threads"] == 1
     assert result["host_ram_cap_gib"] == 16

@@ -72,6 +72,26 @@ def test_exit_status_is_1_when_no_point_succeeded(tmp_path):
                       f"cache_dir={tmp_path / 'cache'}", "only=[_test_crash*,_test_gpu_oom*]", "post=false")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: sweep _test: no point succeeded (2 launched")
+    assert last.startswith("error: sweep _test: 1 point(s) failed for a reason other than memory: _test_crash")
+    assert "_test_gpu_oom" not in last  # running out of memory is a verdict, not a failure
     rows = schema.read_results(tmp_path / "r" / "_test" / "results.csv")
     assert sorted(rows["status"]) == ["error", "gpu_oom"]  # the rows are still written
+    # no point succeeded, none crashed: still a failed sweep, in one line
+    proc = run_runner("sweep=_test", f"hydra.searchpath=[file://{conf}]", f"results_dir={tmp_path / 'r2'}",
+                      f"cache_dir={tmp_path / 'cache'}", "only=[_test_gpu_oom*]", "post=false")
+    assert proc.returncode == 1 and "no point succeeded" in proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["sweep=nope"], "error: sweep=nope does not exist; valid: ablation, baselines"),
+    (["model=bogus"], "error: model=bogus does not exist; valid: tiny-llama"),
+    (["sweep=ablation", "system.options.gpu_resident=0"], "error: system.* overrides need the system they edit"),
+    (["sweep=ablation", "system=megatrain", "system.options.checkpoint_interval=2", "dry_run=true"],
+     "clashes with variant 'full' (checkpoint_interval=4)"),
+])
+def test_config_errors_exit_2_in_one_line(tmp_path, args, message):
+    proc = run_runner(*args, f"results_dir={tmp_path}", timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and not list(tmp_path.iterdir())

@@ -27,20 +27,56 @@ BRIEF_COLUMNS = (
 
 
 def test_columns_are_the_fixed_schema():
-    assert schema.COLUMNS == BRIEF_COLUMNS
-    assert set(schema.DESCRIPTIONS) == set(schema.COLUMNS)
-    sample = ROOT / "experiments" / "data" / "sample_results" / "smoke" / "results.csv"
-    if sample.exists():  # the plots' fixtures (and the committed H200 CSVs) use the header before issue 9
-        assert schema.read_header(sample) == schema.COLUMNS[:-2] and schema.read_header(sample) in schema.READABLE_HEADERS
+    # v2's columns first, in their order (old files stay readable), then the typed fields of v3
+    assert schema.COLUMNS[:len(BRIEF_COLUMNS)] == BRIEF_COLUMNS and schema.SCHEMA_VERSION == 3
+    assert set(schema.DESCRIPTIONS) == set(schema.COLUMNS) and all(schema.DESCRIPTIONS.values())
+    for col in ("reason", "need_host_gib", "have_host_gib", "need_gpu_gib", "have_gpu_gib", "gpu_tier_layers",
+                "host_tier_layers", "gpu_tier_params", "host_tier_params", "steps_clipped", "timed_steps",
+                "step_time_min_s", "step_time_max_s", "step_time_stdev_s", "blocks", "blocks_kept",
+                "predicted_step_s", "cpu_cores", "torch_threads", "git_sha", "schema"):
+        assert col in schema.COLUMNS
+    sample = ROOT / "analysis" / "data" / "sample_results" / "smoke" / "results.csv"
+    if sample.exists():  # the plots' fixtures are v1 files: still read
+        assert schema.header_version(schema.read_header(sample)) == 1
 
 
-def test_older_header_is_read_but_not_appended_to(tmp_path):
+def test_schema_imports_nothing_of_the_runner():
+    import subprocess
+
+    code = ("import sys; import experiments.schema; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'hydra', 'omegaconf', 'pandas') "
+            "or (m.startswith('experiments.') and m != 'experiments.schema')]; print(bad); assert not bad")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_older_header_is_read_and_upgraded_but_not_appended_to(tmp_path):
     old = tmp_path / "results.csv"
-    old.write_text(",".join(schema.COLUMNS[:-2]) + "\n" + ",".join(["x"] * (len(schema.COLUMNS) - 2)) + "\n")
+    v2 = schema.HEADERS[2]
+    cells = dict.fromkeys(v2, "x") | {"status": "skipped", "variant": "", "error":
+                                        "skipped: engine plan (GPU tier filled first): host needs 148.7 GiB "
+                                        "(14.77B params) > available host RAM 121.0 GiB", "point": "p"}
+    old.write_text(",".join(v2) + "\n" + ",".join(cells[c] for c in v2) + "\n")
     df = schema.read_results(old)
-    assert list(df.columns) == schema.COLUMNS and df.loc[0, "optimizer"] == "" and df.loc[0, "settings"] == ""
-    with pytest.raises(schema.SchemaError, match="missing: optimizer, settings"):
+    assert list(df.columns) == schema.COLUMNS and df.loc[0, "variant"] == "default"
+    r = df.iloc[0]
+    assert r["reason"] == "host_memory" and r["need_host_gib"] == 148.7 and r["have_host_gib"] == 121.0
+    with pytest.raises(schema.SchemaError, match="--upgrade"):
         schema.append_row(old, schema.make_row(sweep="s", status="ok"))
+    assert schema.upgrade_csv(old) == 2 and schema.read_header(old) == schema.COLUMNS
+    schema.append_row(old, schema.make_row(sweep="s", point="q", status="ok"))
+    assert schema.point_status(old) == {"p": "skipped", "q": "ok"}
+
+
+def test_typed_row_round_trip(tmp_path):
+    row = schema.Row(sweep="s", point="p", system="megatrain", status="skipped", reason="plan_gpu",
+                     need_gpu_gib=28.7, have_gpu_gib=17.0, gpu_tier_layers=0, host_tier_layers=28)
+    csv = tmp_path / "results.csv"
+    schema.append_row(csv, row)
+    r = schema.read_results(csv).iloc[0]
+    assert (r["reason"], r["need_gpu_gib"], r["host_tier_layers"], r["schema"]) == ("plan_gpu", 28.7, 28, 3)
+    with pytest.raises(schema.SchemaError, match="unknown reason"):
+        schema.make_row(reason="felt like it")
 
 
 def test_make_row_append_and_read(tmp_path):
@@ -100,6 +136,10 @@ def test_summarize_uses_measured_steps_and_the_formula():
     assert m["tflops"] == pytest.approx(flops / 2.0 / 1e12) and m["mfu"] == pytest.approx(m["tflops"] / 100)
     assert m["tokens_per_s"] == 8.0 and m["loss_first"] == 9.0 and m["loss_last"] == 6.0
     assert "tflops" not in P.summarize(recs[:1], pt)
+    assert (m["timed_steps"], m["step_time_min_s"], m["step_time_max_s"]) == (3, 1.0, 3.0)
+    assert m["step_time_stdev_s"] == pytest.approx(1.0) and "steps_clipped" not in m  # no norms reported
+    normed = [dict(r, grad_norm=n) for r, n in zip(recs, [9.0, 0.5, 2.0, 1.5])]
+    assert P.summarize(normed, pt)["steps_clipped"] == 2  # timed steps above max_grad_norm = 1.0
 
 
 def test_init_cache_is_written_once_and_shared(tmp_path):

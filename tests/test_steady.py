@@ -1,11 +1,11 @@
-"""experiments.steady: rows whose timed steps are still speeding up are flagged, and the report marks them;
-experiments.phases: the engine's phase timers of those steps become the report's "where the time went"."""
+"""analysis.steady: rows whose timed steps are still speeding up are flagged, and the report marks them;
+analysis.phases: the engine's phase timers of those steps become the report's "where the time went"."""
 import json
 from pathlib import Path
 
 from experiments import schema
-from experiments.report import build_report
-from experiments.steady import falling_note, mark_unsteady, timed_step_times
+from analysis.report import build_report
+from analysis.steady import falling_note, mark_unsteady, timed_step_times
 
 
 def _metrics(point_dir: Path, times, warmup=1):
@@ -60,7 +60,7 @@ def test_report_without_unsteady_rows_has_no_section(tmp_path):
 
 
 def test_phase_medians_and_the_report_section(tmp_path):
-    from experiments.phases import phase_medians
+    from analysis.phases import phase_medians
 
     r = _row("megatrain", tflops=300.0)
     schema.append_row(tmp_path / "size" / "results.csv", r)
