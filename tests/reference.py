@@ -65,9 +65,12 @@ def reference_train(model, batches, optim, micro_batches: int, *, stream_dtype: 
         if stream_dtype is not None:
             for p, m in zip(params, master):
                 m.grad, p.grad = p.grad, None
-        norm = torch.nn.utils.clip_grad_norm_(master, optim.max_grad_norm or float("inf"))
+        grads = [p.grad for p in master if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
         if grad_norms is not None:
             grad_norms.append(float(norm))
+        if optim.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(master, optim.max_grad_norm)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)

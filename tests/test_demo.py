@@ -11,6 +11,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+pytestmark = pytest.mark.timeout(600)  # above demo()'s own 240 s bound
+
+
 def demo(*args, timeout=240):
     return subprocess.run([sys.executable, "-m", "megatrain.demo", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)

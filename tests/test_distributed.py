@@ -66,7 +66,7 @@ def launch(fn, world: int, tmp_path, timeout: float = 90, **kwargs) -> list:
     for p in procs:
         if p.is_alive():
             p.kill()
-            p.join()
+            p.join(30)  # SIGKILL cannot be ignored; bounded all the same
     assert not hung, f"ranks {hung} still running after {timeout} s"
     out = []
     for r in range(world):

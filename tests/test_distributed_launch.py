@@ -9,11 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["scripts/dp_train.py", "--model", "tiny-llama", "--device", "cpu", "--batch", "2", "--seq", "32",
         "--steps", "2", "--warmup", "1", "--threads", "1", "--timeout-s", "60", "--gpu-resident", "0"]
+
+
+pytestmark = pytest.mark.timeout(600)  # two torchrun launches of up to 120 s each, and their cleanup
 
 
 def _free_port() -> int:
@@ -41,7 +45,13 @@ def test_torchrun_one_node_and_two_nodes(tmp_path):
                                         "--out", str(tmp_path), "--name", "two"),
                               cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for n in range(2)]
-    outs = [p.communicate(timeout=120)[0] for p in nodes]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in nodes]
+    finally:  # a node that hung (or the test failing) must not outlive the test
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
     assert all(p.returncode == 0 for p in nodes), "\n".join(o[-3000:] for o in outs)
     one_row = json.loads((tmp_path / "one.jsonl").read_text())
     two_row = json.loads((tmp_path / "two.jsonl").read_text())

@@ -171,7 +171,7 @@ def test_repeated_rows_keep_last_and_missing_tflops_is_derived(tmp_path):
 
 def test_no_torch_import():
     code = "import sys, analysis.plots, analysis.report; assert 'torch' not in sys.modules, 'torch imported'"
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
 
 # -- issue 9 -----------------------------------------------------------------------------------------

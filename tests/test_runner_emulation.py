@@ -103,6 +103,9 @@ def test_pin_cores_pins_threads_started_before_and_after():
 
 
 # -- through the runner ---------------------------------------------------------------------------------
+pytestmark = pytest.mark.timeout(600)  # above run_runner's own 300 s bound on a point's runner
+
+
 def run_runner(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "experiments.run", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)

@@ -17,6 +17,9 @@ from experiments import schema  # noqa: E402
 from test_runner_fakes import write_test_conf  # noqa: E402
 
 
+pytestmark = pytest.mark.timeout(600)  # above run_runner's own 300 s bound
+
+
 def run_runner(*args, cwd=ROOT, timeout=300):
     return subprocess.run([sys.executable, "-m", "experiments.run", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout)

@@ -21,10 +21,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from experiments import schema  # noqa: E402
 from test_runner_fakes import write_test_conf  # noqa: E402
 
+# Runner subprocesses: the smoke sweep took > 300 s on 2 cores shared with ~6x their load; one test runs
+# the runner up to three times.
+pytestmark = pytest.mark.timeout(1200)
+
 SUMMARY = re.compile(r"(\d+) points: (\d+) launched, (\d+) skipped, (\d+) already done")
 
 
-def run_runner(*args, cwd=ROOT, timeout=300):
+def run_runner(*args, cwd=ROOT, timeout=600):
     proc = subprocess.run([sys.executable, "-m", "experiments.run", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout)
     return proc
@@ -232,6 +236,7 @@ def test_a_killed_runner_takes_its_point_process_with_it(tmp_path, cache, test_c
     finally:
         if runner.poll() is None:
             runner.kill()
+            runner.wait(timeout=30)
         for child in children:  # only if the assertion above failed
             if child.is_running():
                 child.kill()

@@ -22,6 +22,8 @@ INSTALL = SCRIPTS / "install_offline.sh"
 PINS = SCRIPTS / "wheelhouse_requirements.txt"
 NODE = SCRIPTS / "wheelhouse_node_packages.txt"
 
+pytestmark = pytest.mark.timeout(900)  # builds and offline installs, each bounded by run()'s own 180-300 s
+
 _spec = importlib.util.spec_from_file_location("wheelhouse_tool", SCRIPTS / "wheelhouse_tool.py")
 wt = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(wt)
@@ -86,7 +88,7 @@ def fake_house(tmp_path, required_module="VALUE = 42\n", optional_module="raise 
 
 @pytest.mark.parametrize("script", [BUILD, INSTALL])
 def test_scripts_parse(script):
-    subprocess.run(["bash", "-n", str(script)], check=True)
+    subprocess.run(["bash", "-n", str(script)], check=True, timeout=60)
 
 
 def test_every_pip_call_is_no_deps():
@@ -216,7 +218,8 @@ def test_install_offline_into_target(tmp_path):
     assert not (site / "pytest_fake_never_installed.py").exists()
     assert "pytest: the node's copy is recent enough" in r.stdout
     check = subprocess.run([sys.executable, "-c", "import whfake_proj, whfake_a, whfake_fb; print(whfake_proj.VALUE)"],
-                           env=offline_env(PYTHONPATH=site), capture_output=True, text=True, cwd=tmp_path)
+                           env=offline_env(PYTHONPATH=site), capture_output=True, text=True, cwd=tmp_path,
+                           timeout=120)
     assert check.stdout.strip() == "42", check.stderr
     # idempotent: a second run over the same target succeeds too
     r2 = run(["bash", str(INSTALL), str(house)], offline_env(MEGATRAIN_SITE=site))
