@@ -22,8 +22,9 @@ CPU) and the torchrun-style environment variables DeepSpeed reads.
 Initial weights (the fairness point): the model is built under ``deepspeed.zero.Init`` (parameters are
 partitioned to pinned CPU memory as they are created, the full model never sits on the GPU), then
 *every* parameter is overwritten from the shared ``save_pretrained`` folder with
-``GatheredParameters(modifier_rank=0)``; HF's own random init under ``zero.Init`` is never used (it gave
-a step-0 loss of ~1560 instead of ~12 on a 3B model). With bf16 the fp32 master partitions, which
+``GatheredParameters(modifier_rank=0)``; HF's own random init is skipped under ``zero.Init``
+(``no_init_weights``, as transformers does: it gave a step-0 loss of ~1560 instead of ~12 on a 3B model, and it
+indexes ``weight[padding_idx]`` of an already-partitioned embedding when the config sets ``pad_token_id``). With bf16 the fp32 master partitions, which
 DeepSpeed derives from the bf16 parameters, are then set to the exact fp32 checkpoint values
 (``safe_set_full_fp32_param``), so the masters start where every other system starts. Rotary
 ``inv_freq`` buffers, which ``zero.Init`` creates in bf16, are rebuilt in fp32.
@@ -191,6 +192,32 @@ def import_deepspeed(device_type: str):
     return deepspeed
 
 
+def _no_init_weights():
+    """transformers' context that skips weight init (torch.nn.init and ``PreTrainedModel.init_weights``)."""
+    try:
+        from transformers.initialization import no_init_weights  # transformers 5.x
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights  # 4.x
+    return no_init_weights()
+
+
+def build_partitioned(ds, cls, hf_config, ds_config: dict):
+    """``cls(hf_config)`` under ``deepspeed.zero.Init`` without HF's weight init, then tied.
+
+    As transformers' own ZeRO-3 loading does (``no_init_weights`` around ``zero.Init``): every parameter
+    is overwritten from the checkpoint afterwards (``_load_weights`` refuses a model with any parameter
+    not in the checkpoint), so HF's random init is wasted work, and it fails outright under ``zero.Init``
+    when the config sets ``pad_token_id``: ``_init_weights`` zeroes ``weight[padding_idx]`` of a weight
+    that is already partitioned (empty) -> IndexError. The embedding keeps its ``padding_idx`` (its row
+    gets no gradient, as in native and MegaTrain). ``no_init_weights`` also skips the tying that
+    ``init_weights`` does, so ``tie_weights`` runs here, outside ``zero.Init``, as in transformers.
+    """
+    with _no_init_weights(), ds.zero.Init(config_dict_or_path=ds_config):
+        lm = cls(hf_config)
+    lm.tie_weights()
+    return lm
+
+
 class DeepSpeedSystem(BaselineSystem):
     """The DeepSpeed adapter; ``variant`` (a key of ``VARIANTS``) picks what is offloaded."""
 
@@ -226,8 +253,7 @@ class DeepSpeedSystem(BaselineSystem):
         if stage3:
             # 1) Build partitioned, straight into (pinned) CPU memory.
             cls = causal_lm_class(hf_config)
-            with ds.zero.Init(config_dict_or_path=ds_config):
-                lm = cls(hf_config)
+            lm = build_partitioned(ds, cls, hf_config, ds_config)
             fixed = fp32_rotary_buffers(lm)
             # 2) Overwrite every parameter with the shared initial weights.
             self._load_weights(lm, init_dir)

@@ -179,3 +179,68 @@ def test_zero3_cuda_bf16_close_to_native(init_dirs):
     assert results[0].loss == pytest.approx(native[0].loss, rel=BF16_RTOL)
     assert_losses_close([r.loss for r in results], [r.loss for r in native], BF16_RTOL, "zero3 vs native (cuda)")
     assert memory.gpu_peak_allocated > 0
+
+
+PAD = 2
+
+
+@pytest.fixture(scope="module")
+def padded_llama_init(tmp_path_factory):
+    """tiny-llama with ``pad_token_id=2`` (like SmolLM2-135M-Instruct): its embedding has ``padding_idx``,
+    which HF's ``_init_weights`` indexes (``weight[padding_idx]``); under ``zero.Init`` that weight is
+    already partitioned (empty) and the index failed with an IndexError."""
+    from transformers import AutoModelForCausalLM
+
+    from megatrain.spec import PRESETS
+
+    cfg = PRESETS["tiny-llama"].to_hf_config("eager")
+    cfg.pad_token_id = PAD
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    assert model.model.embed_tokens.padding_idx == PAD
+    # a non-zero padding row, so that "loaded" is told apart from "HF's init zeroed it"
+    with torch.no_grad():
+        model.model.embed_tokens.weight[PAD].normal_()
+    path = tmp_path_factory.mktemp("pad_init") / "tiny-llama-pad2"
+    model.save_pretrained(str(path))
+    return path
+
+
+def _padded_batches():
+    data = batches("tiny-llama")
+    for b in data:  # the padding id occurs in every batch: its embedding row must get no gradient
+        b["input_ids"][:, ::5] = PAD
+        b["labels"] = b["input_ids"].clone()
+    return data
+
+
+def test_zero3_pad_token_id_builds_loads_and_matches_native(padded_llama_init):
+    """A config with pad_token_id builds under zero.Init, every weight is the checkpoint's (padding row
+    included), the embedding keeps padding_idx (no gradient on that row), and training matches native."""
+    from baselines import build_system
+
+    init = load_file(str(padded_llama_init / "model.safetensors"))
+    system = build_system("zero3", init_dir=padded_llama_init, optim=OPTIM, micro_batches=2, device="cpu",
+                          options={"attn_implementation": "eager"})
+    try:
+        assert system.module.lm.model.embed_tokens.padding_idx == PAD
+        masters = system.state_dict()
+        for name, value in init.items():
+            assert torch.equal(masters[name], value), f"{name}: not the checkpoint value"
+    finally:
+        system.close()
+
+    data = _padded_batches()
+    native, native_final, *_ = run_system("native", padded_llama_init, data)
+    results, final, *_ = run_system("zero3", padded_llama_init, data)
+    assert results[0].loss == pytest.approx(native[0].loss, rel=1e-6)
+    assert_losses_close([r.loss for r in results], [r.loss for r in native], RTOL, "zero3 vs native (pad)")
+    worst = weight_rel_diffs(final, native_final)
+    assert max(worst.values()) <= RTOL, {k: v for k, v in worst.items() if v > RTOL}
+    # padding row: only AdamW's decoupled weight decay moves it (no gradient), in both systems
+    row0 = init["model.embed_tokens.weight"][PAD]
+    row = final["model.embed_tokens.weight"][PAD]
+    decay = 1.0
+    for s in range(len(results)):
+        decay *= 1.0 - OPTIM.lr_at(s) * OPTIM.weight_decay
+    torch.testing.assert_close(row, row0 * decay, rtol=1e-6, atol=1e-7)
