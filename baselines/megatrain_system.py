@@ -56,6 +56,7 @@ class MegaTrainSystem:
         self.info = {"host_estimate_bytes": self.engine.host_estimate["total_bytes"],
                      "pool_slots": self.engine.num_pool_slots, "config": cfg.to_dict(),
                      "gpu_resident_layers": plan.gpu_layers, "placement": plan.summary(),
+                     **self.engine.info,  # recompute, blocks_kept / blocks, predicted_step_s and its parts
                      "optimizer": (f"GPU tier: torch fused AdamW on {device}; host tier: "
                                    f"{cpu_adamw.name() if plan.host_names else 'unused'}"),
                      # the measured real link and the emulated one (None: the real link, not measured)

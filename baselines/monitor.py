@@ -8,6 +8,11 @@ its own peak with one (``BaselineSystem``). Imports neither torch nor experiment
 
 Sampling misses spikes shorter than the interval; the allocator's own peaks
 (``torch.cuda.max_memory_allocated``) are recorded separately by the point process.
+
+A process of the tree that exits between being listed and being read is skipped (children come and go:
+compilers, dataloader workers, torchrun ranks). Any other failure stops the sampler and is kept in
+``error``; from then on ``ok`` is False and ``peaks()`` reports the host peak as unknown (None), never the
+lower peak of the samples taken before it died.
 """
 from __future__ import annotations
 
@@ -32,30 +37,46 @@ class Monitor:
         self.last_rss = 0
         self.peak_gpu_used: int | None = None
         self.samples = 0
+        self.vanished = 0  # processes that exited between being listed and being read (skipped)
+        self.error: str | None = None  # why the sampler stopped early; None while it works
         self._gpu, self._gpu_index = gpu, gpu_index
         self._nvml = self._handle = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
+    @property
+    def ok(self) -> bool:
+        """True while every sample so far was taken (processes that vanished mid-sample excepted)."""
+        return self.error is None
+
     # -- sampling -------------------------------------------------------------------------------
+    def _read(self, fn, default):
+        """``fn()`` of one process of the tree, or ``default`` if that process has exited (or cannot be
+        read) since it was listed: a child may end at any moment between ``children()`` and here."""
+        try:
+            return fn()
+        except self._psutil.Error:
+            self.vanished += 1
+            return default
+
     def _tree_rss(self) -> int:
         if self._proc is None:
             return 0
         ps = self._psutil
-        total = 0
         try:
             procs = [self._proc] + self._proc.children(recursive=True)
-        except ps.Error:
+        except ps.Error:  # the root itself has exited: nothing left to sample
             return 0
         # Several processes (torchrun ranks) map one shared host store: RSS would count it once per rank,
         # PSS splits shared pages among them, so the sum is the node's memory.
-        many = sum(1 for p in procs if "python" in (p.name() or "")) > 1 if len(procs) > 1 else False
+        many = len(procs) > 1 and sum(1 for p in procs if "python" in (self._read(p.name, "") or "")) > 1
+        total = 0
         for p in procs:
-            try:
-                total += p.memory_full_info().pss if many else p.memory_info().rss
-            except ps.Error:
-                pass
+            if many:
+                total += self._read(lambda: p.memory_full_info().pss, 0)
+            else:
+                total += self._read(lambda: p.memory_info().rss, 0)
         return total
 
     def sample(self) -> int:
@@ -84,8 +105,16 @@ class Monitor:
         return rss
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.sample()
+        try:
+            while not self._stop.wait(self.interval):
+                self.sample()
+        except BaseException as e:  # noqa: BLE001 - kept, so the peak is reported unknown rather than low
+            self._fail(e)
+
+    def _fail(self, e: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = f"memory sampler stopped: {type(e).__name__}: {e}"
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> "Monitor":
@@ -104,8 +133,15 @@ class Monitor:
         return self
 
     def stop(self) -> dict:
+        """Stop sampling (one last sample first); returns ``peaks()``."""
         if self._thread is not None:
-            self.sample()
+            if self._thread.is_alive():
+                try:
+                    self.sample()
+                except Exception as e:  # noqa: BLE001
+                    self._fail(e)
+            elif self.error is None:  # ended without a recorded reason: the samples stopped at some point
+                self.error = "memory sampler stopped: its thread ended early"
             self._stop.set()
             self._thread.join(timeout=5)
             self._thread = None
@@ -118,9 +154,13 @@ class Monitor:
         return self.peaks()
 
     def peaks(self) -> dict:
+        """``host_peak_rss_bytes`` (None when unknown: no sample, or the sampler died), ``gpu_peak_nvml_bytes``,
+        ``samples`` and ``error`` (None, or why the sampler stopped early)."""
         with self._lock:
-            return {"host_peak_rss_bytes": self.peak_rss or None, "gpu_peak_nvml_bytes": self.peak_gpu_used,
-                    "samples": self.samples}
+            host = self.peak_rss or None
+            return {"host_peak_rss_bytes": host if self.error is None else None,
+                    "gpu_peak_nvml_bytes": self.peak_gpu_used if self.error is None else None,
+                    "samples": self.samples, "error": self.error}
 
     def __enter__(self) -> "Monitor":
         return self.start()

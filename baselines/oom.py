@@ -57,7 +57,8 @@ def _chain(exc: BaseException | None):
     while exc is not None and id(exc) not in seen and len(seen) < 8:
         seen.add(id(exc))
         yield exc
-        exc = exc.__cause__ or exc.__context__
+        # ``raise ... from None`` hides the context on purpose (the new error states the cause): so here too
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
 
 
 def failure_status(exc: BaseException) -> str:

@@ -49,6 +49,13 @@ SYSTEM_RECORDS: dict[str, SystemRecord] = {r.name: r for r in (
     SystemRecord("superoffload", "baselines.zero3", "DeepSpeed SuperOffload", "SuperOffload", "#E69F00", "X",
                  builder="build_superoffload", runs_on_cpu=False,
                  description="ZeRO-3 with offload_optimizer.super_offload (DeepSpeed >= 0.18)"),
+    SystemRecord("superoffload_noclip", "baselines.zero3", "DeepSpeed SuperOffload, no clipping",
+                 "SuperOffload (no clip)", "#E69F00", "x", builder="build_superoffload_noclip", runs_on_cpu=False,
+                 description="SuperOffload with gradient_clipping 0 (its speculation runs only without clipping)"),
+    SystemRecord("zenflow", "baselines.zenflow", "DeepSpeed ZenFlow (not exact AdamW)", "ZenFlow", "#F0E442", "*",
+                 runs_on_cpu=False,
+                 description="ZeRO-2 optimizer offload with ZenFlow: top-k gradient columns updated on the GPU, "
+                             "the rest on the CPU every update_interval steps (bounded staleness)"),
     SystemRecord("fsdp", "baselines.fsdp", "FSDP2 CPU offload", "FSDP2", "#009E73", "^",
                  description="PyTorch FSDP2 with CPUOffloadPolicy"),
     SystemRecord("gemini", "baselines.gemini", "ColossalAI Gemini", "Gemini", "#CC79A7", "D", runs_on_cpu=False,

@@ -37,6 +37,7 @@ only multi-rank CPU jobs use) is not built.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import sys
 
@@ -63,6 +64,9 @@ def hf_auto_buckets(hidden_size: int) -> dict:
     return {"reduce_bucket_size": h * h, "stage3_prefetch_bucket_size": int(0.9 * h * h),
             "stage3_param_persistence_threshold": 10 * h}
 
+
+# SuperOffload's reduce bucket and optimizer sub-group (DeepSpeedExamples' SuperOffload scripts use 4e8).
+SUPEROFFLOAD_SUB_GROUP = 4e8
 
 # What each DeepSpeed system offloads.
 VARIANTS = {
@@ -108,12 +112,18 @@ def make_ds_config(hidden_size: int, optim: OptimConfig, micro_batches: int, *, 
         offload_optimizer.update(super_offload=True, ratio=0.9, cpuadam_cores_perc=float(cpuadam_cores_perc))
     zero = {"stage": v["stage"], "offload_optimizer": offload_optimizer, "overlap_comm": True,
             "contiguous_gradients": True, "reduce_bucket_size": sizes["reduce_bucket_size"]}
+    if v["super_offload"]:
+        # DeepSpeedExamples' SuperOffload recipe (training/DeepSpeed-SuperOffload): no comm overlap,
+        # reduce bucket and optimizer sub-group 4e8 (each sub-group is one task for the CPU Adam worker;
+        # with 1e9 one task moved 4 GB of master and 4 GB of gradient through shared memory).
+        zero.update(overlap_comm=False, reduce_bucket_size=int(SUPEROFFLOAD_SUB_GROUP))
     if v["stage"] == 3:
         if v["offload_param"]:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         zero.update({k: sizes[k] for k in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
                                            "stage3_max_live_parameters")})
-        zero.update(stage3_max_reuse_distance=int(1e9), sub_group_size=int(1e9),
+        zero.update(stage3_max_reuse_distance=int(1e9),
+                    sub_group_size=int(SUPEROFFLOAD_SUB_GROUP if v["super_offload"] else 1e9),
                     stage3_gather_16bit_weights_on_model_save=False)
     else:
         zero.update(allgather_bucket_size=sizes["allgather_bucket_size"], allgather_partitions=True,
@@ -147,6 +157,12 @@ def settings_of(ds_config: dict) -> dict:
     if zero["offload_optimizer"].get("super_offload"):
         out["super_offload"] = True
         out["cpuadam_cores_perc"] = zero["offload_optimizer"].get("cpuadam_cores_perc")
+        out["sub_group_size"] = zero.get("sub_group_size")
+        # DeepSpeed #7906: SuperOffload speculates (CPU Adam per sub-group during backward, rolled back on
+        # overflow) only without clipping; with gradient_clipping > 0 every sub-group waits for the norm.
+        clip = float(ds_config.get("gradient_clipping") or 0.0)
+        out["gradient_clipping"] = clip
+        out["speculation"] = clip == 0.0
     return out
 
 
@@ -190,6 +206,8 @@ class DeepSpeedSystem(BaselineSystem):
         if dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"zero3 supports bf16 or fp32 compute, got {dtype}")
         bf16 = dtype == torch.bfloat16 and (on_cuda or bool(opts["cpu_bf16"]))
+        # SuperOffload and ZenFlow pin this process to a share of the cores for good; close() gives them back
+        self._affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         ds = self.deepspeed = import_deepspeed(self.device.type)
         self._owns_process_group = ensure_process_group("nccl" if on_cuda else "gloo", self.device)
         # DeepSpeed reads the launcher's variables even when the group exists already.
@@ -202,11 +220,7 @@ class DeepSpeedSystem(BaselineSystem):
         if choice == "auto":
             choice = "cpu_adam" if on_cuda else "torch_adamw"
         hf_config = read_hf_config(init_dir, opts["attn_implementation"])
-        ds_config = make_ds_config(hf_config.hidden_size, self.optim, self.micro_batches, bf16=bf16,
-                                   torch_optimizer=(choice == "torch_adamw" or opts["optimizer"] == "auto"),
-                                   zero_overrides=opts["zero_optimization"], config_overrides=opts["ds_config"],
-                                   variant=self.variant, buckets=opts["buckets"],
-                                   cpuadam_cores_perc=opts["cpuadam_cores_perc"])
+        ds_config = self._make_config(hf_config, opts, bf16, choice)
         stage3 = ds_config["zero_optimization"]["stage"] == 3
 
         if stage3:
@@ -226,14 +240,12 @@ class DeepSpeedSystem(BaselineSystem):
         self.module = CausalLMLoss(lm, opts["loss_chunk_tokens"])
 
         # 3) Optimizer and engine.
-        optimizer, opt_name = self._make_optimizer(choice, opts["optimizer"] == "auto")
-        self.engine, _, _, _ = ds.initialize(model=self.module, optimizer=optimizer, config=ds_config)
-        del optimizer
+        opt_name = self._initialize(ds, ds_config, choice, opts)
         if bf16 and opts["exact_fp32_master"] and stage3:
             self._set_fp32_masters(lm, init_dir)
         fixed += fp32_rotary_buffers(lm)  # in case initialize cast buffers (0.19.8 keeps fp32 ones)
         base = type(self).name
-        self.name = base if opt_name == "DeepSpeedCPUAdam" else f"{base}[torch-adamw]"
+        self.name = f"{base}[torch-adamw]" if opt_name.startswith("torch.") else base
         self.info.update(system=self.name, optimizer=opt_name, compute_dtype="bfloat16" if bf16 else "float32",
                          settings=settings_of(ds_config),
                          deepspeed_version=ds.__version__, ds_config=ds_config,
@@ -241,6 +253,22 @@ class DeepSpeedSystem(BaselineSystem):
                          exact_fp32_master=bool(bf16 and opts["exact_fp32_master"] and stage3),
                          activation_checkpointing=bool(activation_checkpointing),
                          options={k: v for k, v in opts.items() if k not in ("ds_config", "zero_optimization")})
+
+    def _make_config(self, hf_config, opts: dict, bf16: bool, choice: str) -> dict:
+        """The DeepSpeed config of this variant (ZenFlow overrides it)."""
+        return make_ds_config(hf_config.hidden_size, self.optim, self.micro_batches, bf16=bf16,
+                              torch_optimizer=(choice == "torch_adamw" or opts["optimizer"] == "auto"),
+                              zero_overrides=opts["zero_optimization"], config_overrides=opts["ds_config"],
+                              variant=self.variant, buckets=opts["buckets"],
+                              cpuadam_cores_perc=opts["cpuadam_cores_perc"])
+
+    def _initialize(self, ds, ds_config: dict, choice: str, opts: dict) -> str:
+        """``deepspeed.initialize`` with our client optimizer; sets ``self.engine``, returns the optimizer's
+        name (ZenFlow lets DeepSpeed build its own optimizer instead)."""
+        optimizer, opt_name = self._make_optimizer(choice, opts["optimizer"] == "auto")
+        self.engine, _, _, _ = ds.initialize(model=self.module, optimizer=optimizer, config=ds_config)
+        del optimizer
+        return opt_name
 
     def _load_weights(self, lm, init_dir) -> None:
         ds = self.deepspeed
@@ -329,11 +357,16 @@ class DeepSpeedSystem(BaselineSystem):
     # -- close ------------------------------------------------------------------------------------
     def _release(self) -> None:
         engine, self.engine, self.module = self.engine, None, None
-        if engine is not None:
-            try:
-                engine.destroy()
-            finally:
-                del engine
+        try:
+            if engine is not None:
+                try:
+                    engine.destroy()
+                finally:
+                    del engine
+        finally:
+            affinity = getattr(self, "_affinity", None)
+            if affinity and os.sched_getaffinity(0) != affinity:
+                os.sched_setaffinity(0, affinity)  # the next system in this process gets every core again
 
     def _destroy_process_group(self) -> None:
         import deepspeed.comm as dist
@@ -358,6 +391,63 @@ class Zero2System(DeepSpeedSystem):
 class SuperOffloadSystem(DeepSpeedSystem):
     name = variant = "superoffload"
 
+    def _step(self, batch, t0) -> StepResult:
+        try:
+            return super()._step(batch, t0)
+        except RuntimeError as exc:
+            worker = self.worker_state()
+            if worker is None:
+                raise
+            if not worker["alive"]:
+                # The worker is gone: DeepSpeed's "timeout after 60 s" (or "Worker process is not alive") is
+                # a consequence; the row's status is an error with the worker's exit code as its cause.
+                said = " ".join(str(exc).split()).replace("timeout after", "no result after")[:300]
+                raise RuntimeError(f"SuperOffload's CPU Adam worker (pid {worker['pid']}) exited with code "
+                                   f"{worker['exitcode']} (see its traceback in the log); DeepSpeed: {said}") from None
+            raise RuntimeError(f"{' '.join(str(exc).split())[:400]} [SuperOffload worker pid {worker['pid']} alive, "
+                               f"{worker['cores']} core(s); training process on {worker['pt_cores']} core(s)]") from exc
+
+    def _release(self) -> None:
+        """Also stop the CPU Adam worker: DeepSpeed never does (a daemon that would otherwise keep its
+        m, v and buffers until this process exits)."""
+        cpu_opt = getattr(getattr(self.engine, "optimizer", None), "superoffload_cpu_optimizer", None)
+        try:
+            super()._release()
+        finally:
+            if cpu_opt is not None:
+                cpu_opt.close()  # bounded: join 5 s, terminate, kill
+
+    def worker_state(self) -> dict | None:
+        """The SuperOffload CPU Adam worker process: pid, alive, exit code, cores (None if there is none)."""
+        cpu_opt = getattr(getattr(self.engine, "optimizer", None), "superoffload_cpu_optimizer", None)
+        proc = getattr(cpu_opt, "cpuadam_process", None)
+        if proc is None:
+            return None
+        import psutil
+
+        def cores(pid):
+            try:
+                return len(psutil.Process(pid).cpu_affinity())
+            except Exception:  # noqa: BLE001 - gone, or no affinity on this platform
+                return None
+
+        return {"pid": proc.pid, "alive": proc.is_alive(), "exitcode": proc.exitcode,
+                "cores": cores(proc.pid), "pt_cores": cores(os.getpid())}
+
+
+class SuperOffloadNoClipSystem(SuperOffloadSystem):
+    """SuperOffload with gradient clipping off, whatever the run's ``max_grad_norm``: since DeepSpeed #7906
+    its speculation (CPU Adam per sub-group during backward) runs only without clipping. A separate
+    system so that one sweep holds both rows; its settings say ``gradient_clipping: 0``."""
+
+    name = "superoffload_noclip"
+    variant = "superoffload"
+
+    def __init__(self, *, optim: OptimConfig, **kwargs):
+        self.run_max_grad_norm = optim.max_grad_norm
+        super().__init__(optim=dataclasses.replace(optim, max_grad_norm=0.0), **kwargs)
+        self.info["settings"]["run_max_grad_norm_ignored"] = self.run_max_grad_norm
+
 
 def build(**kwargs) -> Zero3System:
     return build_guarded(Zero3System, Zero3System.name, **kwargs)
@@ -369,3 +459,7 @@ def build_zero2(**kwargs) -> Zero2System:
 
 def build_superoffload(**kwargs) -> SuperOffloadSystem:
     return build_guarded(SuperOffloadSystem, SuperOffloadSystem.name, **kwargs)
+
+
+def build_superoffload_noclip(**kwargs) -> SuperOffloadNoClipSystem:
+    return build_guarded(SuperOffloadNoClipSystem, SuperOffloadNoClipSystem.name, **kwargs)

@@ -28,6 +28,8 @@ from omegaconf import MISSING
 from megatrain.config import EngineConfig
 from megatrain.system import OptimConfig
 
+from .sft_config import SFTConfig
+
 # Peak dense bf16 TFLOPS used for MFU, by substring of the GPU name (first match wins). The one copy.
 PEAK_TFLOPS: dict[str, float] = {
     "H200": 797.5,  # measured on our H200 (dense bf16 matmul), not the datasheet's 989
@@ -142,6 +144,9 @@ class SweepConfig:
     long_seq_from: int = 0
     long_steps: int = 1
     long_warmup_steps: int = 0
+    # Set: every point fine-tunes a pretrained model on a generated task and evaluates it
+    # (experiments/sft_point.py, sweep=accuracy_sft) instead of timing steps on random tokens.
+    sft: Optional[SFTConfig] = None
 
 
 @dataclass

@@ -553,6 +553,9 @@ FIGURES = {
 }
 
 
+FIGURES["accuracy_sft"] = []  # drawn from its point folders by experiments/sft_report.py (plots.make_plots)
+
+
 def figures_for(sweep: str) -> list:
     """[(figure name, function(df, out, formats))] of a sweep: its own, or the generic one."""
     if sweep in FIGURES:

@@ -7,6 +7,7 @@ job and its result into a ``experiments.schema`` row.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -144,6 +145,8 @@ def launch(job: Job, *, timeout: float, init_timeout: float, log=print) -> dict:
         records = read_metrics(pdir / "metrics.jsonl")
         result.update(status=status, error=error, metrics=summarize(records, job),
                       host_peak_rss_bytes=child.get("outside_peak_rss_bytes"))
+        with contextlib.suppress(OSError, ValueError):  # what the system said at build (its settings)
+            result["system_info"] = json.loads((pdir / "system_info.json").read_text())
         if status != "ok":
             for k in ("step_time_median_s", "step_time_mean_s", "tokens_per_s", "tflops", "mfu"):
                 result["metrics"].pop(k, None)

@@ -36,6 +36,16 @@ def make_plots(results_dir, out_dir, formats=("png", "pdf"), log=print) -> tuple
                 continue
             written += paths
             log(f"[ok] {', '.join(str(p) for p in paths)}")
+    try:  # the SFT sweep's figure reads its point folders, not only the CSV (experiments/sft_report.py)
+        from .sft_report import plot as plot_sft
+
+        paths = plot_sft(results_dir, out_dir, formats)
+        written += paths
+        if paths:
+            log(f"[ok] {', '.join(str(p) for p in paths)}")
+    except Exception as e:
+        errors.append(f"figure 'accuracy_sft' failed: {type(e).__name__}: {e}")
+        log(f"[error] {errors[-1]}")
     if not frames and not errors:
         log(f"[warn] no results CSVs under {results_dir}/<sweep>/results.csv; nothing plotted")
     return written, errors

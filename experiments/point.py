@@ -262,6 +262,8 @@ def train(job: Job, applied: dict | None = None) -> int:
         log(f"[point] built {job.system} in {result['build_s']:.1f}s")
         # What the system chose at build time (e.g. which CPU Adam ran), kept with the result.
         result["system_info"] = json.loads(json.dumps(getattr(system, "info", {}) or {}, default=str))
+        # also on disk now: a point killed later (host OOM, timeout) still has its settings in the row
+        _write_json(pdir / "system_info.json", result["system_info"])
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         total = job.warmup_steps + job.steps
         vocab = job.spec["vocab_size"]
@@ -313,8 +315,11 @@ def train(job: Job, applied: dict | None = None) -> int:
                 log(f"[point] warning: close() failed: {error_text(e)}")
         if mon is not None:
             peaks = mon.stop()
-            result["host_peak_rss_bytes"] = peaks["host_peak_rss_bytes"]
+            result["host_peak_rss_bytes"] = peaks["host_peak_rss_bytes"]  # None (unknown) if the sampler died
             result["gpu_peak_nvml_bytes"] = peaks["gpu_peak_nvml_bytes"]
+            if peaks.get("error"):
+                result["host_peak_rss_error"] = peaks["error"]
+                log(f"[point] warning: host peak unknown: {peaks['error']}")
         result["metrics"] = summarize(records, job)
         result["duration_s"] = time.time() - t_start
         _write_json(pdir / "result.json", result)
@@ -359,6 +364,10 @@ def main(argv=None) -> int:
         return init_main(job)
     # first, before torch is imported: its thread pools must start inside the emulated cores
     applied = emulation.apply(job.hardware)
+    if job.sft:  # fine-tune a pretrained model and evaluate it (sweep=accuracy_sft)
+        from .sft_point import train as sft_train
+
+        return sft_train(job, applied)
     if _world() == 1:
         return train(job, applied)
     return train_rank(job, applied)

@@ -21,7 +21,7 @@ from baselines.registry import SYSTEMS, record
 
 from .claims import (CLAIMS_PATH, ClaimsError, _all_rows, _hw_long, _hw_short, _pct, _short, _verdict_kind,  # noqa: F401
                      evaluate_claim, load_claims, summary_lines)
-from . import accuracy, phases
+from . import accuracy, phases, sft_report
 from .config import H200_PEAK_TFLOPS, HARDWARE_ORDER
 from .figures import figures_for
 from .steady import DAGGER, FALL_TOL, mark_unsteady, unsteady_rows
@@ -322,6 +322,8 @@ def build_report(results_dir, claims_path=CLAIMS_PATH, plots_dir: str | Path | N
     if acc.exists():
         fig = Path(plots_dir) / "accuracy_parity.png" if plots_dir else None
         lines += accuracy.report_lines(acc, os.path.relpath(fig, out_path.parent) if fig and fig.exists() else None)
+    fig = Path(plots_dir) / f"{sft_report.SWEEP}.png" if plots_dir else None  # Table 3 on a pretrained model
+    lines += sft_report.report_lines(results_dir, os.path.relpath(fig, out_path.parent) if fig and fig.exists() else None)
     if frames:
         lines += ["## Per-sweep results", ""]
         for sweep, df in frames.items():

@@ -149,7 +149,7 @@ def run(cfg) -> dict:
     for job in jobs:
         job.point_dir, job.cache_dir = str(out / job.id), str(cache)
         engine_init = job.system == "megatrain" and not cfg.shared_init
-        job.init_dir = "" if engine_init else str(K.init_paths(job.spec, job.seed, cache)[1])
+        job.init_dir = "" if (engine_init or job.sft) else str(K.init_paths(job.spec, job.seed, cache)[1])
         est = sweeps.host_estimate(job, device, env.get("gpu_total_bytes"))
         job.host_estimate_bytes = est["total_bytes"] if est else None
     if cfg.dry_run:

@@ -78,7 +78,8 @@ DESCRIPTIONS: dict[str, str] = {
     "gpu_peak_allocated_gib": "torch.cuda.max_memory_allocated (GiB)",
     "gpu_peak_reserved_gib": "torch.cuda.max_memory_reserved (GiB)",
     "gpu_peak_nvml_gib": "max device used memory sampled by NVML (whole device, GiB)",
-    "host_peak_rss_gib": "max RSS of the point process and its children, sampled in the background (GiB)",
+    "host_peak_rss_gib": "max RSS of the point process and its children, sampled in the background (GiB); "
+                         "empty when unknown (the sampler failed: result.json host_peak_rss_error)",
     "host_pinned_gib": "page-locked host memory reported by the system (GiB)",
     "host_bytes_per_param": "host peak RSS / P",
     "host_estimate_gib": "MegaTrain's host-memory model for this model (a lower bound for any offloading system)",

@@ -78,6 +78,7 @@ class Job:
     init_dir: str = ""
     cache_dir: str = ""
     host_estimate_bytes: int | None = None
+    sft: dict | None = None  # sweep.sft (experiments/sft_config.py): an SFT point (experiments/sft_point.py)
 
     @property
     def tokens_per_step(self) -> int:
@@ -313,7 +314,7 @@ def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name
                                     seq_len=int(seq), batch_size=int(batch), micro_batches=int(cfg.micro_batches),
                                     hardware=hwe, options=opts,
                                     activation_checkpointing=bool(sc.get("activation_checkpointing", True)),
-                                    factory=sc.get("factory"), **job_common,
+                                    factory=sc.get("factory"), sft=_container(sw.sft), **job_common,
                                 ))
     if cfg.only:
         points = [p for p in points if any(fnmatch.fnmatchcase(p.id, pat) for pat in cfg.only)]
@@ -345,9 +346,14 @@ def _megatrain_plan(point: Job, gpu_bytes: int) -> dict:
     from megatrain.memory import plan_for_spec
 
     spec, refusal = point.model_spec(), None
-    kw = dict(micro_batches=point.micro_batches, tokens_per_step=point.seq_len * point.batch_size)
+    kw = dict(micro_batches=point.micro_batches, tokens_per_step=point.seq_len * point.batch_size,
+              seq_len=point.seq_len)
+    try:  # the plan the engine will make (its step-time model chooses within the host RAM it sees) ...
+        plan = plan_for_spec(spec, point.options, gpu_free=gpu_bytes, host_available=available_host(point), **kw)
+    except MemoryError:  # ... or, where that does not fit, what the host side needs
+        plan = None
     try:
-        plan = plan_for_spec(spec, point.options, gpu_free=gpu_bytes, host_available=1 << 62, **kw)
+        plan = plan or plan_for_spec(spec, point.options, gpu_free=gpu_bytes, host_available=1 << 62, **kw)
     except MemoryError as e:  # the GPU side alone does not fit: the host side of pure streaming, for the numbers
         refusal = str(e).splitlines()[0].replace("model does not fit: ", "")
         plan = plan_for_spec(spec, dict(point.options, gpu_resident="0"), gpu_free=1 << 62,
@@ -430,6 +436,11 @@ def invalid_reason(job: Job) -> str | None:
                 f"set max_position_embeddings={job.seq_len} (or more) to raise them for every system")
     if job.gpus < 1:
         return f"gpus={job.gpus} must be >= 1"
+    if job.sft:
+        from .sft_point import invalid_reason as sft_invalid
+
+        if sft_invalid(job):
+            return sft_invalid(job)
     rec = SYSTEM_RECORDS.get(job.system)
     max_gpus = rec.max_gpus if rec else 1
     if job.gpus > max_gpus:

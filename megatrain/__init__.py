@@ -8,7 +8,7 @@ from .config import EngineConfig
 from .spec import PRESETS, ModelSpec, get_preset
 from .system import MemoryStats, OptimConfig, StepResult, TrainSystem, step_flops
 
-__all__ = ["EngineConfig", "MegaTrain", "MemoryStats", "ModelSpec", "OptimConfig", "PRESETS", "StepResult",
+__all__ = ["DoesNotFit", "EngineConfig", "MegaTrain", "MemoryStats", "ModelSpec", "OptimConfig", "PRESETS", "StepResult",
            "TrainSystem", "get_preset", "step_flops"]
 __version__ = "0.1.0"
 
@@ -18,4 +18,8 @@ def __getattr__(name):
         from .engine import MegaTrain
 
         return MegaTrain
+    if name == "DoesNotFit":  # the plan's one-line refusal (a MemoryError)
+        from .placement import DoesNotFit
+
+        return DoesNotFit
     raise AttributeError(f"module 'megatrain' has no attribute {name!r}")

@@ -19,6 +19,14 @@ n = ceil(L / K) boundaries per micro-batch, g = boundaries kept on the GPU (all 
   mlp_grad_accum  4 · (3·h·f + h)                    fp32 sums of the chunked MLP's weight gradients (only
                                                      when chunked and c < 4)
   loss            chunk · V · 10                     one loss chunk: bf16 logits, fp32 copy, fp32 grad
+  kept            k · M · t · (12·h + 4·f) · c       the autograd graphs of the k layers whose blocks keep
+                                                     their activations (no recompute, unchunked only): what
+                                                     one layer saves for its backward (measured with a
+                                                     saved-tensors hook on the 3B shape in bf16: 67364·c per
+                                                     token against 12·h + 4·f = 68608; 7B 116540 vs 118784)
+
+Kept blocks have no boundary (n counts only the recomputed blocks); with no block recomputed the recompute
+term is one layer's backward transients only (t · 3·f · c).
 
 With chunking the only terms that grow with t are attention terms (multiples of t·h); the MLP's t·f
 terms are bounded by the chunk. A coarse upper bound, not a tracer: the plan adds a margin
@@ -34,24 +42,29 @@ from .chunked_mlp import resolve_chunk
 def gpu_working_set(*, num_layers: int, hidden: int, ffn: int, vocab: int, micro_batches: int,
                     tokens_per_micro_batch: int, block: int, compute_bytes: int, loss_chunk_tokens: int,
                     mlp_chunk_tokens: int = -1, boundaries_on_gpu: int | None = None,
-                    kv_hidden: int | None = None) -> dict[str, int]:
+                    kv_hidden: int | None = None, kept_layers: int = 0,
+                    recomputed_blocks: int | None = None) -> dict[str, int]:
     """Activation bytes on the GPU, by part (see module doc).
 
     ``mlp_chunk_tokens``: -1 never, 0 auto, N tokens, resolved for t by megatrain.chunked_mlp.resolve_chunk
     (0: the threshold rule). The placement plan passes the value it decided (-1 where "auto" fits
     unchunked, megatrain/placement.py) and the engine runs the plan's resolved value, so the prediction is
     made for what runs. ``boundaries_on_gpu``: None keeps every boundary on the GPU
-    (boundary_offload="gpu"); g >= 0 keeps g of them there and offloads the rest (0: "host")."""
+    (boundary_offload="gpu"); g >= 0 keeps g of them there and offloads the rest (0: "host").
+    ``kept_layers``: layers whose blocks keep their activations; ``recomputed_blocks``: blocks recomputed
+    (None: every block, ceil(L / K))."""
     t, c, m, h = tokens_per_micro_batch, compute_bytes, micro_batches, hidden
     kv = h if kv_hidden is None else kv_hidden
-    n = math.ceil(num_layers / block) * m
+    blocks = math.ceil(num_layers / block) if recomputed_blocks is None else recomputed_blocks
+    n = blocks * m
     if boundaries_on_gpu is None or boundaries_on_gpu >= n:
         bounds = n * t * h * c
     else:
         bounds = (boundaries_on_gpu + 2) * t * h * c
     chunk = resolve_chunk(mlp_chunk_tokens, t)
     if chunk == 0:
-        recompute = block * t * (12 * h + 4 * ffn) * c + t * 3 * ffn * c
+        recompute = (block * kept_layer_bytes(hidden=h, ffn=ffn, tokens=t, compute_bytes=c) if blocks else 0) \
+            + t * 3 * ffn * c
         accum = 0
     else:
         recompute = block * t * (7 * h + 2 * kv) * c + t * 6 * h * c + chunk * (7 * ffn + 6 * h) * c
@@ -62,7 +75,13 @@ def gpu_working_set(*, num_layers: int, hidden: int, ffn: int, vocab: int, micro
         "block_recompute": recompute,
         "mlp_grad_accum": accum,
         "loss": min(loss_chunk_tokens, t) * vocab * 10,
+        "kept_activations": kept_layers * m * kept_layer_bytes(hidden=h, ffn=ffn, tokens=t, compute_bytes=c),
     }
+
+
+def kept_layer_bytes(*, hidden: int, ffn: int, tokens: int, compute_bytes: int) -> int:
+    """What one unchunked layer's autograd graph holds for its backward at ``tokens`` tokens (module doc)."""
+    return tokens * (12 * hidden + 4 * ffn) * compute_bytes
 
 
 def host_boundary_bytes(*, num_layers: int, hidden: int, micro_batches: int, tokens_per_micro_batch: int,

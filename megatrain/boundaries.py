@@ -11,18 +11,16 @@ with ``take`` (blocks in reverse order, micro-batches in order within a block). 
   in use plus the one prefetched. On CPU the streams are no-ops and the copies are plain, so CI runs the
   same keep/take/prefetch logic.
 
-``make_boundaries`` picks one per step (EngineConfig.boundary_offload):
-  "gpu"  -> GpuBoundaries;  "host" -> HostBoundaries offloading every boundary;
-  "auto" -> on CUDA: budget = free GPU memory (driver free + cached-but-unused) - the rest of the step's
-            activation working set (megatrain.activations, boundaries excluded, sized with the MLP chunk the
-            step runs: the plan's resolved mlp_chunk_tokens) - gpu_margin_gib. If every
-            boundary fits in it, GpuBoundaries; else HostBoundaries keeping as many (the last ones) on the
-            GPU as fit in the budget less two in flight, offloading the rest. On CPU the "GPU" is host RAM:
-            GpuBoundaries.
+``make_boundaries`` makes the step's store as the placement plan decided (``Placement.boundaries_on_gpu``,
+from EngineConfig.boundary_offload; megatrain/placement.py ``offload_boundaries_if_needed``): None ->
+GpuBoundaries; g -> HostBoundaries keeping the last g on the GPU and offloading the rest ("host": g = 0;
+"auto": only where the GPU cannot hold them all beside the rest of the plan, on CUDA). The decision is made
+once, by the plan, for the tokens it was made for; a step with more tokens per micro-batch keeps the plan's
+count (the engine warns that activations may not fit). Only the blocks that are recomputed have a
+boundary: a kept block's graph holds its input (megatrain/keep.py).
 """
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -173,44 +171,17 @@ class HostBoundaries:
 
 
 def make_boundaries(cfg, streams, *, model_config, block: int, dtype: torch.dtype, tokens: list[int],
-                    host: HostBuffers, mlp_chunk_tokens: int | None = None):
-    """The boundary store for one step (rule in the module doc). ``tokens``: tokens per micro-batch;
-    ``host``: the engine's persistent host buffers; ``mlp_chunk_tokens``: the value the step's layers run
-    with (the engine passes the plan's resolved one), None = cfg.mlp_chunk_tokens."""
-    mode, device = cfg.boundary_offload, streams.device
+                    host: HostBuffers, on_gpu: int | None, total: int):
+    """The boundary store for one step (module doc). ``tokens``: tokens per micro-batch; ``host``: the
+    engine's persistent host buffers; ``on_gpu``: the plan's ``boundaries_on_gpu``; ``total``: boundaries
+    this step keeps (recomputed blocks x micro-batches)."""
     per = max(tokens) * model_config.hidden_size * (torch.finfo(dtype).bits // 8)  # bytes of the largest
-    total = math.ceil(model_config.num_hidden_layers / block) * len(tokens)
     host.plan = dict(boundary_store="gpu", boundaries=total, boundaries_on_gpu=total, boundary_bytes=per)
-    if mode == "gpu" or (mode == "auto" and device.type != "cuda"):
+    if on_gpu is None or on_gpu >= total:
         return GpuBoundaries(len(tokens))
-    on_gpu = 0
-    if mode == "auto":
-        chunk = cfg.mlp_chunk_tokens if mlp_chunk_tokens is None else mlp_chunk_tokens
-        budget = _gpu_budget(cfg, device, model_config, block, dtype, tokens, chunk)
-        host.plan["gpu_budget_bytes"] = budget
-        if total * per <= budget:
-            return GpuBoundaries(len(tokens))
-        on_gpu = max(0, budget - 2 * per) // per  # room for the boundary in use + the one prefetched
     _check_host_room(cfg, model_config, block, dtype, tokens, on_gpu, host)
-    host.plan.update(boundary_store="host", boundaries_on_gpu=min(on_gpu, total))
-    return HostBoundaries(streams, device, host, total, on_gpu)
-
-
-def _gpu_budget(cfg, device, model_config, block: int, dtype: torch.dtype, tokens: list[int],
-                mlp_chunk_tokens: int) -> int:
-    """GPU bytes the boundaries may use this step (see module doc). The working set is sized with the MLP
-    chunk the step's layers run with: "auto" is resolved by the plan, and the config's value would
-    under-count an unchunked step by the MLP's t x f intermediates (and so keep boundaries on a GPU that
-    cannot hold them beside it)."""
-    free = memory.gpu_free_bytes(device)  # a driver query (and the process's memory fraction); no GPU wait
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # torch's cache: reusable
-    parts = activations.gpu_working_set(
-        num_layers=model_config.num_hidden_layers, hidden=model_config.hidden_size,
-        ffn=model_config.intermediate_size, vocab=model_config.vocab_size, micro_batches=len(tokens),
-        tokens_per_micro_batch=max(tokens), block=block, compute_bytes=torch.finfo(dtype).bits // 8,
-        loss_chunk_tokens=cfg.loss_chunk_tokens, mlp_chunk_tokens=mlp_chunk_tokens)
-    rest = sum(v for k, v in parts.items() if k != "boundaries")
-    return int(free + cached - rest - cfg.gpu_margin_gib * 2**30)
+    host.plan.update(boundary_store="host", boundaries_on_gpu=on_gpu)
+    return HostBoundaries(streams, streams.device, host, total, on_gpu)
 
 
 def _check_host_room(cfg, model_config, block, dtype, tokens, on_gpu: int, host: HostBuffers) -> None:

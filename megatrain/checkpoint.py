@@ -1,27 +1,28 @@
 """Weights in and out, never holding a second full copy of the model in RAM.
 
-Format: an HF ``save_pretrained`` folder (config.json, sharded safetensors + model.safetensors.index.json),
-so HF and every baseline can load what the engine saves; plus, for resume, ``optimizer-*.safetensors``
-(AdamW m, v per group) and ``engine_state.json`` (step counts, engine config).
+Format of one save (a step folder of a checkpoint, see megatrain/checkpoint_layout.py): an HF
+``save_pretrained`` folder (config.json, sharded safetensors + model.safetensors.index.json, and the
+tokenizer / generation files of the folder the model came from), so HF and every baseline can load what
+the engine saves; plus, for resume, ``optimizer-*.safetensors`` (AdamW m, v per group) and
+``engine_state.json`` (step counts, engine config).
 """
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from . import arch
+from . import checkpoint_layout as layout
+from .checkpoint_layout import ENGINE_STATE
 from .store import Group, ModelStore, make_groups, views
 
 SHARD_BYTES = 2 * 2**30
 WEIGHTS_INDEX = "model.safetensors.index.json"
 WEIGHTS_SINGLE = "model.safetensors"
-ENGINE_STATE = "engine_state.json"
 OPTIM_INDEX = "optimizer.index.json"
 
 
@@ -151,18 +152,22 @@ def write_initial_weights(spec_or_config, out_dir, seed: int = 0, device: str = 
         config.save_pretrained(str(tmp))
         _write_shards(tensors(), tmp, "model", WEIGHTS_INDEX)
 
-    _atomic_dir(out, write)
-    return out
+    return layout.write_new_folder(out, write)
 
 
 # -- saving ---------------------------------------------------------------------------------------
-def save(engine, path) -> None:
-    store, groups = engine.store, engine.groups
+# Files of an HF model folder beside config.json and the weights: a save carries them over from the
+# folder the model came from (from_pretrained), so every step folder is a complete model folder.
+HF_EXTRAS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+             "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+             "generation_config.json")
 
-    def weights():
-        for g in groups:
-            for name, view in zip(g.hf_names, views(store.master[g.name], g)):
-                yield name, _host_copy(view)  # safetensors refuses views sharing one buffer
+
+def save(engine, path, keep: int = 2) -> Path:
+    """One save into checkpoint folder ``path`` (see checkpoint_layout): a new step folder with weights,
+    AdamW state and engine state, made ``latest``; the engine's saves beyond the newest ``keep`` removed.
+    Returns the step folder."""
+    store, groups = engine.store, engine.groups
 
     def optim():
         for g in groups:
@@ -170,14 +175,34 @@ def save(engine, path) -> None:
             yield f"{g.name}.exp_avg_sq", store.v[g.name].cpu()
 
     def write(tmp: Path):
-        engine.config.save_pretrained(str(tmp))
-        _write_shards(weights(), tmp, "model", WEIGHTS_INDEX)
+        _write_model(engine, tmp)
         _write_shards(optim(), tmp, "optimizer", OPTIM_INDEX)
         state = {"step": engine.step_count, "group_steps": {g.name: float(store.steps[g.name]) for g in groups},
                  "engine_config": asdict(engine.cfg)}
         (tmp / ENGINE_STATE).write_text(json.dumps(state, indent=2))
 
-    _atomic_dir(Path(path), write)
+    return layout.save_step(path, engine.step_count, write, keep)
+
+
+def export_hf(engine, path) -> Path:
+    """The weights alone as a plain HF folder at ``path`` (new or empty; written whole or not at all)."""
+    return layout.write_new_folder(path, lambda tmp: _write_model(engine, tmp))
+
+
+def _write_model(engine, out: Path) -> None:
+    store = engine.store
+
+    def weights():
+        for g in engine.groups:
+            for name, view in zip(g.hf_names, views(store.master[g.name], g)):
+                yield name, _host_copy(view)  # safetensors refuses views sharing one buffer
+
+    engine.config.save_pretrained(str(out))
+    _write_shards(weights(), out, "model", WEIGHTS_INDEX)
+    source = getattr(engine, "source_dir", None)
+    for name in HF_EXTRAS if source else ():
+        if (Path(source) / name).is_file() and not (out / name).exists():
+            shutil.copyfile(Path(source) / name, out / name)
 
 
 def read_engine_state(path):
@@ -241,68 +266,3 @@ def _write_shards(items, out: Path, prefix: str, index_name: str) -> None:
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.cpu() if t.device.type != "cpu" else t.clone()
-
-
-def _atomic_dir(out: Path, write) -> None:
-    """Crash-proof save: killed at any moment, ``out`` still holds a complete checkpoint (the previous or
-    the new one).
-
-    The folder is written under a fresh versioned name beside ``out`` (``.NAME.v<ns>-<pid>``), every file
-    and the folder are fsynced, and only then is ``out`` (a relative symlink) atomically repointed at it
-    with ``rename`` of a new link over the old; the previous version is deleted afterwards. Leftovers of
-    saves killed before the switch are removed by the next save. ``out`` being a real folder (a save by
-    an older version of this code) is first moved aside and linked: only that one conversion has a
-    moment where ``out`` does not exist.
-    """
-    out = Path(os.path.abspath(out))
-    parent = out.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    current = os.readlink(out) if out.is_symlink() else None
-    _remove_stale_versions(parent, out.name, keep=current)
-    version = f".{out.name}.v{time.time_ns()}-{os.getpid()}"
-    tmp = parent / version
-    tmp.mkdir()
-    try:
-        write(tmp)
-        _fsync_tree(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists() and not out.is_symlink():  # legacy real folder: move aside, it becomes "current"
-        current = f".{out.name}.v0-legacy-{os.getpid()}"
-        out.rename(parent / current)
-    link = parent / f".{out.name}.link-{os.getpid()}"
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    os.symlink(version, link)
-    os.replace(link, out)  # the atomic switch: before it ``out`` is the old save, after it the new one
-    _fsync_dir(parent)
-    if current and current != version and (parent / current).exists():
-        shutil.rmtree(parent / current, ignore_errors=True)
-
-
-def _remove_stale_versions(parent: Path, name: str, keep: str | None) -> None:
-    """Versions left by saves killed before their switch (never the one ``out`` points to)."""
-    for p in parent.glob(f".{name}.v*"):
-        if p.name != keep:
-            shutil.rmtree(p, ignore_errors=True)
-    for p in parent.glob(f".{name}.link-*"):
-        p.unlink(missing_ok=True)
-
-
-def _fsync_tree(folder: Path) -> None:
-    for f in folder.iterdir():
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    _fsync_dir(folder)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -82,12 +82,44 @@ class EngineConfig:
     # fp32 host buffer, 4 B/param of host RAM; only the GPU tier's gradients stay on the GPU) or "auto"
     # ("gpu" when the placement plan fits the GPU with them there, else "host").
     grad_placement: str = "auto"
+    # Activations of each checkpoint block: kept from the forward to the backward (no recompute) or recomputed
+    # from the block's boundary. "all": recompute every block (the paper); "none": keep every block (refused
+    # when that does not fit the GPU); "auto": the placement plan keeps what fits in the GPU memory the tiers
+    # leave, and where a GPU byte could hold a GPU-tier layer or kept activations the step-time model picks
+    # the faster split (megatrain/placement.py, cost_model.py). On a CPU run "auto" recomputes as "all".
+    recompute: str = "auto"
+    # With several micro-batches: "layers" runs each layer on every micro-batch before the next layer (each
+    # layer loaded twice per step; every micro-batch's activations held at once); "sequential" runs forward
+    # and backward one micro-batch at a time (loaded twice per micro-batch; one micro-batch's activations
+    # held, so more blocks can keep theirs; every layer's fp32 gradient accumulator lives through the step);
+    # "auto": the placement plan picks (sequential only where the step-time model predicts it
+    # CONTESTED_GAIN faster, e.g. a model wholly on the GPU tier, whose loads are casts on the device).
+    micro_batch_schedule: str = "auto"
     # Emulate a host link (host <-> GPU) of this many GB/s each way, slower than the real one: each
     # weight/gradient/activation copy over it is followed on its copy stream by a GPU sleep for the
     # difference (megatrain/link.py; CUDA only). None = the real link, untouched.
     host_link_gbps: Optional[float] = None
+    # The host tier's AdamW (megatrain/streamed_update.py): "cpu" (the CPU kernel updates every host-tier
+    # group) or "hybrid" (after the norm, some groups' fp32 master, m and v are streamed through the GPU and
+    # updated there by the fused kernel while the CPU kernel updates the others; exact, clipping included).
+    update_path: str = "cpu"
+    # With "hybrid": which host-tier groups take the GPU path. "auto": the split of the bandwidth model
+    # (megatrain/update_split.py, rates measured at build on a GPU); or a comma list of group names
+    # ("embed,layer.0,layer.3") forced onto it in every step (tests, ablations).
+    gpu_path_groups: str = "auto"
+    # With "hybrid" on a GPU: GiB the placement plan keeps free for the GPU path's staging (two rotating
+    # master+m+v chunk buffers, ~0.9 GiB at full chunk size, then kept masters, 4 B/param, in forward
+    # order); GPU memory the plan leaves unused beyond its margin is used as well.
+    update_staging_gib: float = 1.0
+    # With "hybrid": upload some GPU-path groups' master, m and v during the backward, as their gradients
+    # arrive (only the update needs the clip coefficient), into buffers held until the norm (12 B/param of
+    # the staging budget): after the norm only their update and download are left. How many: what the
+    # backward's spare H2D bandwidth carries (measured after the first step) and the budget holds.
+    gpu_path_prefetch: bool = False
     attn_implementation: str = "sdpa"
     seed: int = 0
+    # Saves kept in a checkpoint folder: ``save`` removes the engine's own step folders beyond the newest N.
+    keep_checkpoints: int = 2
     optim: OptimConfig = field(default_factory=OptimConfig)
 
     def __post_init__(self) -> None:
@@ -103,6 +135,8 @@ class EngineConfig:
             raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
         if self.stream_dtype not in ("fp32", "bf16"):
             raise ValueError(f"stream_dtype must be 'fp32' or 'bf16', got {self.stream_dtype!r}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1 saves, got {self.keep_checkpoints}")
         if self.loss_chunk_tokens < 1:
             raise ValueError("loss_chunk_tokens must be >= 1")
         self.gpu_resident = str(self.gpu_resident).strip().lower()
@@ -112,6 +146,17 @@ class EngineConfig:
             raise ValueError(f"speculate must be 'auto', 'always' or 'never', got {self.speculate!r}")
         if self.boundary_offload not in ("auto", "gpu", "host"):
             raise ValueError(f"boundary_offload must be 'auto', 'gpu' or 'host', got {self.boundary_offload!r}")
+        if self.recompute not in ("auto", "all", "none"):
+            raise ValueError(f"recompute must be 'auto', 'all' or 'none', got {self.recompute!r}")
+        if self.recompute == "none" and self.mlp_chunk_tokens > 0:
+            raise ValueError(f"recompute='none' keeps every layer's activations, but mlp_chunk_tokens="
+                             f"{self.mlp_chunk_tokens} recomputes the MLP in the backward; use one or the other")
+        if self.recompute == "none" and self.boundary_offload == "host":
+            raise ValueError("recompute='none' keeps every block's activations on the GPU: there are no block "
+                             "boundaries for boundary_offload='host' to offload; use one or the other")
+        if self.micro_batch_schedule not in ("auto", "layers", "sequential"):
+            raise ValueError(f"micro_batch_schedule must be 'auto', 'layers' or 'sequential', got "
+                             f"{self.micro_batch_schedule!r}")
         if self.grad_placement not in ("auto", "gpu", "host"):
             raise ValueError(f"grad_placement must be 'auto', 'gpu' or 'host', got {self.grad_placement!r}")
         if self.max_position_embeddings < 0:
@@ -122,6 +167,13 @@ class EngineConfig:
             raise ValueError(f"gpu_margin_gib must be >= 0, got {self.gpu_margin_gib}")
         if self.host_link_gbps is not None and not self.host_link_gbps > 0:
             raise ValueError(f"host_link_gbps must be > 0 GB/s (None = the real link), got {self.host_link_gbps}")
+        if self.update_path not in ("cpu", "hybrid"):
+            raise ValueError(f"update_path must be 'cpu' or 'hybrid', got {self.update_path!r}")
+        if self.update_staging_gib < 0:
+            raise ValueError(f"update_staging_gib must be >= 0, got {self.update_staging_gib}")
+        self.gpu_path_groups = str(self.gpu_path_groups).strip()
+        if not self.gpu_path_groups:
+            raise ValueError("gpu_path_groups must be 'auto' or a comma list of host-tier group names")
         if self.compute_dtype != "auto" and self.compute_dtype not in _DTYPES:
             raise ValueError(f"compute_dtype must be 'auto' or one of {list(_DTYPES)}, got {self.compute_dtype!r}")
 

@@ -41,6 +41,7 @@ class DeviceAdamW:
                     raise RuntimeError(f"no gradient for GPU-tier group {name} at the end of the step")
                 adamw_(st.master[name], g if g.dtype == torch.float32 else g.float(), st.m[name], st.v[name],
                        st.steps[name], lr, self.cfg, scale)
+                st.refresh_shadow(name)  # a CPU run's GPU tier is on the CPU and streams a bf16 shadow too
                 del g  # the widened copy and the gradient go back to the allocator, one group at a time
         # The next loads of these groups (casts on the H2D stream) must see the updated master.
         self._updated = self.streams.record(self.streams.compute)

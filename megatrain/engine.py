@@ -2,11 +2,11 @@
 
     engine = MegaTrain.from_config(hf_config, EngineConfig(...))     # or .from_pretrained(dir)
     result = engine.step({"input_ids": ids, "labels": labels})       # forward, backward, AdamW
-    engine.save(dir); engine = MegaTrain.load(dir)                   # resume with optimizer state
+    engine.save(dir); engine = MegaTrain.load(dir)                   # resume with optimizer state (dir/step-N/)
 
 One step reads top to bottom (see ``step``): forward through streamed layers keeping block-boundary
-activations, chunked loss, backward block by block with recompute, gradients out to the host, then the
-optimizer: fused AdamW on the GPU for the GPU tier, a worker thread for the host tier (speculatively
+activations (or, for the blocks the plan keeps, their autograd graphs), chunked loss, backward block by
+block (recomputing the blocks not kept), gradients out to the host, then the optimizer: fused AdamW on the GPU for the GPU tier, a worker thread for the host tier (speculatively
 during the backward when clipping is not expected, overlapping the next forward either way).
 """
 from __future__ import annotations
@@ -21,13 +21,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import arch, checkpoint, memory, placement
+from . import arch, checkpoint, checkpoint_layout, memory, placement
 from .boundaries import HostBuffers, make_boundaries
 from .config import EngineConfig
 from .device_adamw import DeviceAdamW
 from .grad_offload import GradStream
 from .grad_placement import make_grad_home
 from .host_adamw import HostAdamW
+from .host_tier import build_host_tier
+from .keep import KeptBlocks, KeptGraph
 from .link import make_link
 from .loss import chunked_lm_loss
 from .optim import Optimizers
@@ -46,8 +48,16 @@ class _StepState:
     sqnorms: list = field(default_factory=list)  # per-group squared gradient norms (GPU scalars)
     acc: dict = field(default_factory=dict)  # layer -> gradient being accumulated across micro-batches
     embed_w: torch.Tensor | None = None  # the resident embedding (the tied head reads it)
-    embed_grad: torch.Tensor | None = None  # tied: the head gradient the embedding backward adds into
     mlp_chunk: int = -1  # mlp_chunk_tokens this step's layers run with (MegaTrain._mlp_chunk), forward and recompute
+    kept: KeptBlocks | None = None  # the kept blocks' graphs, forward to backward
+    # The pass over the layers this is (micro_batch_schedule="sequential": one per micro-batch; else one):
+    first_mb: int = 0  # index of the pass's first micro-batch in the step
+    num_mbs: int = 1  # micro-batches in the step
+    last_pass: bool = True  # the step's last pass: gradients are final after it
+    final_views: list | None = None  # the resident final norm / head, loaded once per step
+    d_norm: torch.Tensor | None = None  # final norm / head gradients summed over the step's passes
+    d_head: torch.Tensor | None = None
+    embed_acc: torch.Tensor | None = None  # embedding gradient summed over passes before the last
 
 
 # Tokens per micro-batch the placement plan sizes activations for unless told (tokens_per_step=...).
@@ -70,11 +80,15 @@ class MegaTrain:
     # -- construction --------------------------------------------------------------------------------
     def __init__(self, hf_config, cfg: EngineConfig | None = None, *, _weights: str = "init",
                  _source: str | None = None, verbose: bool = True, tokens_per_step: int | None = None,
-                 seq_len: int | None = None, tiers: dict[str, str] | None = None, dist=None):
+                 seq_len: int | None = None, tiers: dict[str, str] | None = None, keep: set[int] | None = None,
+                 rates=None, dist=None):
         """``tokens_per_step`` / ``seq_len``: the step the placement plan sizes activations for (default:
-        one sequence of min(max positions, DEFAULT_PLAN_TOKENS) per micro-batch; a larger batch warns). ``tiers``: group name -> "gpu" | "host", overriding
-        the plan's choice (advanced; tests use it for mixed placements). ``dist``: a
-        ``megatrain.distributed.DataParallel`` to train data-parallel with one host store per node."""
+        one sequence of min(max positions, DEFAULT_PLAN_TOKENS) per micro-batch; a larger batch warns).
+        ``tiers``: group name -> "gpu" | "host", overriding the plan's choice; ``keep``: the checkpoint blocks
+        (index b = layers b*K ..) whose activations are kept, overriding ``cfg.recompute`` (advanced; tests
+        use both for mixed placements). ``rates``: a ``megatrain.cost_model.Rates`` of this machine for the
+        step-time model (default: the H200's). ``dist``: a ``megatrain.distributed.DataParallel`` to train
+        data-parallel with one host store per node."""
         cfg = cfg or EngineConfig()
         arch.check_supported(hf_config)
         hf_config = copy.deepcopy(hf_config)
@@ -98,16 +112,16 @@ class MegaTrain:
         self.kinds = arch.layer_kinds(hf_config)
         self.tied = bool(hf_config.tie_word_embeddings)
         self.pad_idx = self.meta.model.embed_tokens.padding_idx
-        k = cfg.checkpoint_interval or self.num_layers
-        self.block = min(k, self.num_layers)
-        # Pool: one block resident through recompute + backward, plus (num_slots - 1) prefetch slots.
-        self.num_pool_slots = self.block + cfg.num_slots - 1
         on_gpu = self.device.type == "cuda"
         pin = on_gpu and cfg.pin_memory
         self._boundary_host = HostBuffers(pin, self.link)  # offloaded block boundaries' host home, reused
 
         # Placement: which groups live on the GPU tier, checked against both memories before allocating.
-        self.placement = self._plan(tokens_per_step, seq_len, tiers)
+        self.placement = self._plan(tokens_per_step, seq_len, tiers, keep, rates)
+        # K and the pool (one block resident through recompute + backward, plus num_slots - 1 prefetch
+        # slots) and the blocks whose activations are kept: as the plan sized them.
+        self.block, self.num_pool_slots = self.placement.block, self.placement.num_pool_slots
+        self.kept = frozenset(self.placement.kept_blocks)
         if verbose:
             print(f"[megatrain] {self.placement.summary()}", flush=True)
         if _weights == "load":
@@ -141,7 +155,13 @@ class MegaTrain:
         self.host_opt = host_adamw(self.store, cfg.optim, self.placement.host_names, self.grad_stream,
                                    background=cfg.overlap_optimizer)
         self.device_opt = DeviceAdamW(self.store, cfg.optim, self.placement.gpu_names, self.streams)
-        self.optimizer = Optimizers([self.device_opt, self.host_opt], cfg.optim, cfg.speculate)
+        # The host tier's optimizer: the CPU kernel alone, or with the GPU update path (update_path="hybrid").
+        self.host_tier = build_host_tier(self.host_opt, store=self.store, cfg=cfg, streams=self.streams,
+                                         host_names=self.placement.host_names, grads_on_host=self.placement.grads == "host",
+                                         staging_bytes=self._staging_bytes(), dist=dist)
+        if verbose and cfg.update_path != "cpu":
+            print(f"[megatrain] {self.host_tier.summary()}", flush=True)
+        self.optimizer = Optimizers([self.device_opt, self.host_tier], cfg.optim, cfg.speculate)
 
         # GPU side: resident embed/final compute buffers, slots with bound templates, the rotary module.
         self.resident = {g.name: torch.zeros(g.numel, device=self.device, dtype=self.dtype)
@@ -149,7 +169,8 @@ class MegaTrain:
         self.pool = SlotPool(store=self.store, layer_groups=self.layer_groups, make_template=self._make_template,
                              kinds=self.kinds, num_slots=self.num_pool_slots, device=self.device, dtype=self.dtype,
                              streams=self.streams, wait_for_update=self.optimizer.wait_group,
-                             prefetch=cfg.num_slots > 1, link=self.link, host_tier=set(self.placement.host_names))
+                             prefetch=cfg.num_slots > 1, link=self.link, host_tier=set(self.placement.host_names),
+                             device_source=self.optimizer.device_source)
         self.rotary = arch.build_rotary(self.meta, self.device)
         self.final_norm = copy.deepcopy(self.meta.model.norm)
         # The final norm module computes with a view into the resident "final" buffer (norm is first).
@@ -159,7 +180,7 @@ class MegaTrain:
         self._peak_rss = 0
         self.stats: dict[str, float] = {}  # host-side timings of the last step (see _Timer)
 
-    def _plan(self, tokens_per_step, seq_len, tiers) -> placement.Placement:
+    def _plan(self, tokens_per_step, seq_len, tiers, keep, rates) -> placement.Placement:
         cfg, c = self.cfg, torch.finfo(self.dtype).bits // 8
         seq = seq_len or min(self.config.max_position_embeddings, DEFAULT_PLAN_TOKENS)
         tokens = tokens_per_step or seq * cfg.micro_batches
@@ -169,13 +190,26 @@ class MegaTrain:
         on_gpu = self.device.type == "cuda"
         shape = memory.step_shape(cfg, num_layers=self.num_layers, hidden=hc.hidden_size, ffn=hc.intermediate_size,
                                   vocab=hc.vocab_size, tokens_per_micro_batch=self.planned_tokens_per_micro_batch,
-                                  compute_bytes=c, on_gpu=on_gpu)
+                                  compute_bytes=c, on_gpu=on_gpu, seq_len=seq)
         gpu_free = memory.gpu_free_bytes(self.device) if on_gpu else 0
         return placement.plan({g.name: g.numel for g in self.groups}, shape, setting=cfg.gpu_resident,
                               on_gpu=on_gpu, gpu_free=gpu_free, host_available=memory.available_host_bytes(),
-                              gpu_margin=int(cfg.gpu_margin_gib * placement.GIB),
+                              gpu_margin=int((cfg.gpu_margin_gib + self._staging_reserve_gib()) * placement.GIB),
                               host_margin=int(cfg.host_margin_gib * placement.GIB), tiers=tiers,
-                              grads=cfg.grad_placement)
+                              grads=cfg.grad_placement, kept=keep, rates=rates)
+
+    def _staging_reserve_gib(self) -> float:
+        """GPU memory the plan keeps free for the host tier's GPU update path (update_path="hybrid")."""
+        return self.cfg.update_staging_gib if (self.cfg.update_path == "hybrid" and self.device.type == "cuda") else 0.0
+
+    def _staging_bytes(self) -> float:
+        """GPU bytes the GPU update path may hold: the reserve plus what the plan leaves unused (90 % of it:
+        the plan's parts are estimates). On the CPU, unbounded (the "GPU" is host RAM and tests are tiny)."""
+        if self.device.type != "cuda":
+            return float("inf")
+        plan = self.placement
+        unused = max(0, plan.gpu_budget - sum(plan.gpu_parts.values())) if plan.gpu_budget is not None else 0
+        return self._staging_reserve_gib() * placement.GIB + 0.9 * unused
 
     @classmethod
     def from_config(cls, hf_config, cfg: EngineConfig | None = None, **kw) -> "MegaTrain":
@@ -184,14 +218,28 @@ class MegaTrain:
 
     @classmethod
     def from_pretrained(cls, path: str, cfg: EngineConfig | None = None, **kw) -> "MegaTrain":
-        """Load a local HF directory (config.json + safetensors, sharded or not) tensor by tensor."""
+        """Load a local HF directory (config.json + safetensors, sharded or not) tensor by tensor; a
+        checkpoint folder written by ``save`` reads its ``latest`` step folder; a ``.gguf`` file is de-quantized
+        to fp32 through a temporary HF folder (megatrain/gguf_import.py; its tokenizer is not carried into
+        saves: convert once with ``python -m megatrain.gguf_import`` to keep one)."""
+        if str(path).endswith(".gguf"):
+            from .gguf_import import converted
+
+            with converted(path) as folder:
+                engine = cls.from_pretrained(folder, cfg, **kw)
+            engine.source_dir = None  # the temporary folder is gone
+            return engine
+        path = checkpoint_layout.resolve(path)
         hf_config = checkpoint.read_config(path)
-        return cls(hf_config, cfg, _weights="load", _source=str(path), **kw)
+        engine = cls(hf_config, cfg, _weights="load", _source=str(path), **kw)
+        engine.source_dir = str(path)  # its tokenizer files travel into every save
+        return engine
 
     @classmethod
     def load(cls, path: str, cfg: EngineConfig | None = None, **kw) -> "MegaTrain":
         """Resume from ``save``: weights, AdamW state and step counter (engine config from the save unless
-        ``cfg`` is given)."""
+        ``cfg`` is given). ``path``: a checkpoint folder (its ``latest`` step) or one of its step folders."""
+        path = checkpoint_layout.resolve(path)
         saved_cfg, step = checkpoint.read_engine_state(path)
         engine = cls.from_pretrained(path, cfg or saved_cfg, **kw)
         dist = engine.dist
@@ -222,16 +270,20 @@ class MegaTrain:
         try:
             self.optimizer.begin_step(self.step_count)  # speculate this step? (host tier)
             self.pool.begin_step(self._load_order())
-            st = _StepState()  # this step's gradient bookkeeping, passed along (nothing parked on self)
+            st = _StepState(num_mbs=len(mbs))  # this step's gradient bookkeeping (nothing parked on self)
             timer = _Timer(self.stats, t0)
-            hidden, boundaries, ctx = self._forward(mbs, st)
-            timer("forward_s")
-            loss, d_hidden = self._loss(hidden, mbs, denom, st)
+            loss = 0.0
+            for first, part in self._passes(mbs):  # all micro-batches at once, or one at a time (the plan's)
+                st.first_mb, st.last_pass = first, first + len(part) == len(mbs)
+                hidden, boundaries, ctx = self._forward(part, st)
+                timer("forward_s")
+                part_loss, d_hidden = self._loss(hidden, part, denom, st)
+                loss = loss + part_loss
+                timer("loss_s")
+                self._backward(part, boundaries, d_hidden, ctx, st)
+                timer("backward_s")
             if self.dist:
                 self.dist.all_reduce_(loss, "the loss")  # for reporting: the global mean token loss
-            timer("loss_s")
-            self._backward(mbs, boundaries, d_hidden, ctx, st)
-            timer("backward_s")
             # One sync for every group's squared norm, computed on the GPU while the gradients were there.
             grad_norm = math.sqrt(float(torch.stack(st.sqnorms).sum()))
             timer("grad_norm_s")
@@ -249,28 +301,43 @@ class MegaTrain:
         loss_value = float(loss)  # a CPU-GPU sync point: the step's GPU work is done after this
         timer("optimizer_launch_s")
         after = self._counters()
-        self.stats.update(speculated=float(self.optimizer.speculating), clipped=float(coef is not None and coef < 1),
+        predicted = self.placement.prediction
+        self.stats.update(predicted_step_s=predicted.step_s if predicted else float("nan"),
+                          blocks_kept=float(len(self.kept)),
+                          speculated=float(self.optimizer.speculating), clipped=float(coef is not None and coef < 1),
                           skipped=float(coef is None), step_s=time.perf_counter() - t0,
                           **{k: after[k] - before[k] for k in after})
+        self.host_tier.observe_step(self.stats)  # the backward's time: how early a speculative CPU path starts
         self._sample_rss()
         return StepResult(loss=loss_value, tokens=tokens, step_time_s=time.perf_counter() - t0, lr=lr,
                           grad_norm=grad_norm)
 
     def _counters(self) -> dict[str, float]:
         """Cumulative counters whose per-step differences go into ``stats``."""
-        h = self.host_opt
+        h = self.host_tier
         # load_wait.settle(): the step's last timing events are complete here (the step ends with a sync)
         return dict(h2d_loads=self.pool.loads, gpu_load_wait_s=self.pool.load_wait.settle(),
                     optimizer_exposed_s=h.wait_s, host_update_busy_s=h.busy_s,
                     early_groups=h.early_groups, rollbacks=h.rollbacks,
-                    d2h_bytes=self.grad_stream.bytes_d2h + self.grad_home.bytes_d2h)
+                    d2h_bytes=self.grad_stream.bytes_d2h + self.grad_home.bytes_d2h,
+                    **h.counters())  # cpu_groups, gpu_path_groups, gpu_path_busy_s, gpu_path_wait_s
+
+    def _passes(self, mbs: list[_MicroBatch]) -> list[tuple[int, list[_MicroBatch]]]:
+        """(index of the first micro-batch, micro-batches) of each pass over the layers: one pass with every
+        micro-batch (each layer loaded twice per step, every micro-batch's activations held), or with
+        micro_batch_schedule "sequential" one pass per micro-batch (loaded twice per micro-batch, one
+        micro-batch's activations held: more blocks kept; the plan chooses, megatrain/placement.py)."""
+        if self.placement.sequential:
+            return [(i, [mb]) for i, mb in enumerate(mbs)]
+        return [(0, mbs)]
 
     def _load_order(self) -> list[int]:
-        """Every layer use of a step, in order: forward 0..L-1, then per block (last first) ascending."""
+        """Every layer use of a step, in order: per pass, forward 0..L-1, then per block (last first)
+        ascending."""
         order = list(range(self.num_layers))
         for start in reversed(range(0, self.num_layers, self.block)):
             order += list(range(start, min(start + self.block, self.num_layers)))
-        return order
+        return order * (self.cfg.micro_batches if self.placement.sequential else 1)
 
     def _mlp_chunk(self, tokens: list[int]) -> int:
         """mlp_chunk_tokens for a step with ``tokens`` per micro-batch: the plan's resolved value ("auto" is
@@ -284,50 +351,66 @@ class MegaTrain:
         return self.placement.mlp_chunk_tokens
 
     def _forward(self, mbs: list[_MicroBatch], st: "_StepState"):
-        embed_w = st.embed_w = self._resident_weight("embed")[0]
+        if st.embed_w is None:  # once per step
+            st.embed_w = self._resident_weight("embed")[0]
+        embed_w = st.embed_w
         tokens = [mb.ids.numel() for mb in mbs]
         st.mlp_chunk = self._mlp_chunk(tokens)
-        # The boundary budget leaves room for the working set of the chunk the layers will run with.
-        boundaries = make_boundaries(self.cfg, self.streams, model_config=self.config, block=self.block, dtype=self.dtype,
-                                     tokens=tokens, host=self._boundary_host, mlp_chunk_tokens=st.mlp_chunk)
+        # Where the boundaries of the recomputed blocks live: decided by the plan (boundary_offload).
+        recomputed = self.placement.num_blocks - len(self.kept)
+        boundaries = make_boundaries(self.cfg, self.streams, model_config=self.config, block=self.block,
+                                     dtype=self.dtype, tokens=tokens, host=self._boundary_host,
+                                     on_gpu=self.placement.boundaries_on_gpu, total=recomputed * len(mbs))
+        st.kept = KeptBlocks()
         ctx = []
         with torch.no_grad():
             hidden = [F.embedding(mb.ids, embed_w) for mb in mbs]
             for h, mb in zip(hidden, mbs):
                 masks = arch.make_masks(self.config, h, mb.attention_mask, mb.position_ids)
                 ctx.append((masks, mb.position_ids, self.rotary(h, mb.position_ids)))
-            for i in range(self.num_layers):
-                if i % self.block == 0:  # block boundary: the only activations kept for backward
-                    for b, h in enumerate(hidden):
-                        boundaries.keep(b, i, h)
-                slot = self.pool.acquire(i)
-                layer = slot.template(self.kinds[i])
-                for b in range(len(mbs)):
-                    masks, pos, pos_emb = ctx[b]
-                    hidden[b] = arch.run_layer(layer, hidden[b], masks[self.kinds[i]], pos, pos_emb,
-                                               st.mlp_chunk)
-                self.pool.release(slot)
+        for i in range(self.num_layers):
+            kept = i // self.block in self.kept
+            if i % self.block == 0 and not kept:  # a recomputed block's boundary: all its backward needs
+                for b, h in enumerate(hidden):
+                    boundaries.keep(b, i, h)
+            slot = self.pool.acquire(i)
+            for b in range(len(mbs)):
+                hidden[b] = self._layer_forward(i, slot, b, hidden[b], ctx[b], st, keep=kept)
+            self.pool.release(slot)
         return hidden, boundaries, ctx
 
+    def _layer_forward(self, i: int, slot, b: int, x: torch.Tensor, ctx, st: "_StepState", keep: bool):
+        """Layer ``i`` (in ``slot``) on micro-batch ``b``'s hidden state: without autograd, or, in a kept
+        block, with autograd and the graph kept in ``st.kept`` for the backward."""
+        masks, pos, pos_emb = ctx
+        layer, mask = slot.template(self.kinds[i]), masks[self.kinds[i]]
+        if not keep:
+            with torch.no_grad():
+                return arch.run_layer(layer, x, mask, pos, pos_emb, st.mlp_chunk)
+        # The graph saves the weights by position in the slot (megatrain/keep.py): the slot is released after
+        # this layer as usual, and the backward reads them from whichever slot holds the layer then.
+        x_in = x.detach().requires_grad_(True)
+        with torch.enable_grad(), st.kept.recording(i, slot):
+            out = arch.run_layer(layer, x_in, mask, pos, pos_emb, st.mlp_chunk)
+        st.kept.graphs[(b, i)] = KeptGraph(x_in, out, slot.params[self.kinds[i]])
+        return out.detach()
+
     def _loss(self, hidden: list[torch.Tensor], mbs: list[_MicroBatch], denom: int, st: "_StepState"):
-        final_views = self._resident_weight("final")
-        head_w = st.embed_w if self.tied else final_views[1]
+        if st.final_views is None:  # once per step
+            st.final_views = self._resident_weight("final")
+        head_w = st.embed_w if self.tied else st.final_views[1]
         head_w = nn.Parameter(head_w, requires_grad=True)  # a leaf sharing the resident buffer
         total = torch.zeros((), device=self.device)
-        d_hidden, d_norm, d_head = [], None, None
+        d_hidden = []
         for h, mb in zip(hidden, mbs):
             loss, dh, dn, dw = chunked_lm_loss(h, mb.targets, self.final_norm, head_w, denom,
                                                self.cfg.loss_chunk_tokens)
             total += loss
             d_hidden.append(dh)
-            d_norm = dn if d_norm is None else d_norm + dn
-            d_head = dw if d_head is None else d_head + dw
-        if self.tied:
-            st.embed_grad = d_head  # the embedding backward adds into this, then it goes out once
-            self._resident_grad("final", [d_norm], st)
-        else:
-            st.embed_grad = None
-            self._resident_grad("final", [d_norm, d_head], st)
+            st.d_norm = dn if st.d_norm is None else st.d_norm + dn
+            st.d_head = dw if st.d_head is None else st.d_head + dw
+        if st.last_pass:  # final: the head's gradient goes out (tied: the embedding backward adds it)
+            self._resident_grad("final", [st.d_norm] if self.tied else [st.d_norm, st.d_head], st)
         return total, d_hidden
 
     def _backward(self, mbs, boundaries, d_hidden, ctx, st: "_StepState") -> None:
@@ -335,35 +418,47 @@ class MegaTrain:
         for start in reversed(range(0, self.num_layers, self.block)):
             layers = list(range(start, min(start + self.block, self.num_layers)))
             slots = [self.pool.acquire(i) for i in layers]  # prefetched while the previous block ran
+            kept = start // self.block in self.kept
+            for i, slot in zip(layers, slots):
+                st.kept.bind(i, slot)  # a kept graph's weights are read from here (megatrain/keep.py)
             for b in range(len(mbs)):
-                masks, pos, pos_emb = ctx[b]
-                inputs, outputs = [], []
-                with torch.enable_grad():  # recompute the block with autograd, one graph per layer
-                    x = boundaries.take(b, start)
-                    for i, slot in zip(layers, slots):
-                        x_in = x.detach().requires_grad_(True)
-                        x = arch.run_layer(slot.template(self.kinds[i]), x_in, masks[self.kinds[i]], pos, pos_emb,
-                                           st.mlp_chunk)
-                        inputs.append(x_in)
-                        outputs.append(x)
+                if kept:  # the graphs the forward made
+                    graphs = [st.kept.take(b, i) for i in layers]
+                else:
+                    graphs = self._recompute(b, layers, slots, boundaries, ctx, st)
                 grad = d_hidden[b]
                 for j in reversed(range(len(layers))):
-                    i, slot = layers[j], slots[j]
-                    params = slot.params[self.kinds[i]]
-                    grads = torch.autograd.grad(outputs[j], [inputs[j], *params], grad, allow_unused=True)
+                    i, slot, g = layers[j], slots[j], graphs[j]
+                    grads = torch.autograd.grad(g.output, [g.input, *g.params], grad, allow_unused=True)
                     grad = grads[0]
-                    inputs[j] = outputs[j] = None  # this layer's activations are free now
-                    self._layer_grad(i, params, grads[1:], st, first=b == 0, last=b == last_mb)
+                    graphs[j] = None  # this layer's activations are free now
+                    step_mb = st.first_mb + b  # the micro-batch's index in the step: its gradient is final at the last
+                    self._layer_grad(i, g.params, grads[1:], st, first=step_mb == 0, last=step_mb == st.num_mbs - 1)
                     if b == last_mb:
                         self.pool.release(slot)  # weights no longer needed: the slot can prefetch
                 d_hidden[b] = grad
         self._embedding_backward(mbs, d_hidden, st)
 
+    def _recompute(self, b: int, layers: list[int], slots, boundaries, ctx, st: "_StepState") -> list[KeptGraph]:
+        """A recomputed block's forward for micro-batch ``b`` with autograd from its boundary, one graph per
+        layer (the backward's weights are the slots' own: no position hooks needed)."""
+        masks, pos, pos_emb = ctx[b]
+        graphs = []
+        with torch.enable_grad():
+            x = boundaries.take(b, layers[0])
+            for i, slot in zip(layers, slots):
+                x_in = x.detach().requires_grad_(True)
+                x = arch.run_layer(slot.template(self.kinds[i]), x_in, masks[self.kinds[i]], pos, pos_emb,
+                                   st.mlp_chunk)
+                graphs.append(KeptGraph(x_in, x, slot.params[self.kinds[i]]))
+        return graphs
+
     def _embedding_backward(self, mbs: list[_MicroBatch], d_hidden: list[torch.Tensor], st: "_StepState") -> None:
         embed = self.groups[0]
-        grad = st.embed_grad
-        if grad is None:
-            grad = torch.zeros(embed.spans[0].shape, device=self.device, dtype=torch.float32)
+        grad = st.embed_acc
+        if grad is None:  # tied, one pass: the head's gradient is complete; add into it
+            grad = st.d_head if (self.tied and st.last_pass) else \
+                torch.zeros(embed.spans[0].shape, device=self.device, dtype=torch.float32)
         for mb, dh in zip(mbs, d_hidden):
             ids = mb.ids.reshape(-1)
             dh = dh.reshape(-1, dh.shape[-1]).float()
@@ -371,6 +466,11 @@ class MegaTrain:
                 keep = ids != self.pad_idx
                 ids, dh = ids[keep], dh[keep]
             grad.index_add_(0, ids, dh)
+        if not st.last_pass:
+            st.embed_acc = grad
+            return
+        if self.tied and grad is not st.d_head:
+            grad += st.d_head  # several passes: the head's gradient is complete only now
         self._resident_grad("embed", [grad], st)
 
     # -- gradients out ------------------------------------------------------------------------------
@@ -413,18 +513,24 @@ class MegaTrain:
     # -- weights in ---------------------------------------------------------------------------------
     def _resident_weight(self, name: str) -> list[torch.Tensor]:
         """Load a resident group (embedding or final norm + head) for this step; returns its views."""
-        self.optimizer.wait_group(name)  # host tier: blocks until updated; GPU tier: ordered by the stream
+        # Host tier: blocks until updated (CPU path), or an event for the copy (GPU update path); GPU tier:
+        # ordered by the stream.
+        updated = self.optimizer.wait_group(name)
         group = self.store.by_name[name]
         buf = self.resident[name]
-        src = self.store.stream_source(name)
+        # The GPU update path's kept master, when it holds this group's update (a cast on the GPU, no load).
+        kept = self.optimizer.device_source(name)
+        src = kept if kept is not None else self.store.stream_source(name)
         with self.streams.use(self.streams.h2d):
             # Last step's kernels that read this buffer were queued on compute before this point.
             self.streams.h2d.wait_stream(self.streams.compute)
+            if updated is not None:
+                self.streams.h2d.wait_event(updated)
             if src.dtype == buf.dtype:
                 buf.copy_(src, non_blocking=True)
             else:
                 buf.copy_(src.to(self.device, non_blocking=True))  # cast on the GPU
-            if self.placement.tiers[name] == "host":  # a GPU-tier group's copy is a cast on the device
+            if self.placement.tiers[name] == "host" and kept is None:  # else a cast on the device
                 self.link.throttle(self.streams.h2d, src.numel() * src.element_size(), "h2d")
             ready = self.streams.record(self.streams.h2d)
         self.streams.compute.wait_event(ready)  # compute may read it only once the copy has landed
@@ -473,16 +579,29 @@ class MegaTrain:
         self.synchronize()
         return self.store.state_dict()
 
-    def save(self, path: str) -> None:
-        """Weights (HF safetensors layout, loadable by ``from_pretrained`` and by HF), AdamW state and
-        the step counter; written to a temporary folder and renamed, so a crash leaves no half save."""
+    def save(self, path: str):
+        """Save into checkpoint folder ``path`` (docs/checkpoints.md): a new ``step-NNNNNN/`` folder with
+        the weights (HF layout: ``from_pretrained`` and HF load it), AdamW state and step counter, then
+        ``path/latest`` switched to it atomically; the engine's own saves beyond the newest
+        ``cfg.keep_checkpoints`` are removed. Nothing else in ``path`` is touched; a non-empty folder that
+        is not a MegaTrain checkpoint is refused. Returns the step folder (None on ranks other than 0)."""
         self.synchronize()
+        written = None
         if self.dist is None or self.dist.rank == 0:  # data parallel: every rank holds the same model
-            checkpoint.save(self, path)
+            written = checkpoint.save(self, path, keep=self.cfg.keep_checkpoints)
         if self.dist:
             self.dist.barrier("checkpoint written")  # nobody reads it (resume) before it is complete
+        return written
 
-    save_pretrained = save
+    def save_pretrained(self, path: str):
+        """The weights alone as a plain HF folder at ``path`` (new or empty), e.g. to publish a model."""
+        self.synchronize()
+        written = None
+        if self.dist is None or self.dist.rank == 0:
+            written = checkpoint.export_hf(self, path)
+        if self.dist:
+            self.dist.barrier("weights exported")
+        return written
 
     def memory(self) -> MemoryStats:
         self._sample_rss()
@@ -496,12 +615,25 @@ class MegaTrain:
                                    "gpu_estimate_bytes": sum(plan.gpu_parts.values()),
                                    "gpu_resident_layers": plan.gpu_layers, "gpu_tier": plan.gpu_names,
                                    "grad_placement": plan.grads, "mlp_chunk_tokens": plan.mlp_chunk_tokens,
+                                   **self.info,
                                    "skipped_steps": self.skipped_steps,
+                                   "update_path": self.cfg.update_path,
+                                   "gpu_path_staging_bytes": self.host_tier.gpu.staging_bytes if self.host_tier.gpu else 0,
                                    "pool_slots": self.num_pool_slots, "h2d_loads": self.pool.loads})
         if self.device.type == "cuda":
             stats.gpu_peak_allocated = torch.cuda.max_memory_allocated(self.device)
             stats.gpu_peak_reserved = torch.cuda.max_memory_reserved(self.device)
         return stats
+
+    @property
+    def info(self) -> dict:
+        """The plan's decisions and the step-time model's prediction, flat (for rows): ``recompute_setting``
+        (as asked), ``blocks``, ``blocks_kept``, ``recompute_blocks`` ("kept 3/18"), ``gpu_resident_layers``,
+        ``predicted_step_s`` and its parts ``predicted_forward_s``, ``predicted_backward_s``,
+        ``predicted_recompute_s``, ``predicted_loss_s``, ``predicted_host_update_s``,
+        ``predicted_host_update_exposed_s``, ``predicted_gpu_update_s``, ``predicted_h2d_s``,
+        ``predicted_d2h_s`` (None / absent on a CPU run, where nothing is predicted)."""
+        return self.placement.info()
 
     @property
     def host_estimate(self) -> dict:
@@ -549,6 +681,8 @@ class _Timer:
         stats.clear()
 
     def __call__(self, name: str) -> None:
+        """Time since the last mark, added to phase ``name`` (a sequential step passes each phase once per
+        micro-batch)."""
         now = time.perf_counter()
-        self.stats[name] = now - self.last
+        self.stats[name] = self.stats.get(name, 0.0) + now - self.last
         self.last = now

@@ -108,17 +108,19 @@ def gpu_free_bytes(device) -> int:
 
 
 def step_shape(cfg, *, num_layers: int, hidden: int, ffn: int, vocab: int, tokens_per_micro_batch: int,
-               compute_bytes: int, on_gpu: bool) -> "placement.StepShape":
+               compute_bytes: int, on_gpu: bool, seq_len: int = 0) -> "placement.StepShape":
     """The plan's view of a step for an ``EngineConfig`` (one definition for the engine and for
-    ``plan_for_spec``): K = checkpoint_interval (0 = every layer in one block), slots = K + num_slots - 1."""
-    block = min(cfg.checkpoint_interval or num_layers, num_layers)
+    ``plan_for_spec``): K and the slot pool from ``placement.block_and_slots``."""
+    block, slots = placement.block_and_slots(cfg.checkpoint_interval, cfg.num_slots, num_layers)
     return placement.StepShape(
         num_layers=num_layers, hidden=hidden, ffn=ffn, vocab=vocab, micro_batches=cfg.micro_batches,
-        tokens_per_micro_batch=tokens_per_micro_batch, block=block, num_pool_slots=block + cfg.num_slots - 1,
+        tokens_per_micro_batch=tokens_per_micro_batch, block=block, num_pool_slots=slots,
         compute_bytes=compute_bytes, stream_fp32=cfg.stream_dtype == "fp32", bf16_shadow=cfg.stream_dtype == "bf16",
         slab_bytes_total=cfg.grad_slabs * SLAB_BYTES if on_gpu else 0,
         loss_chunk_tokens=cfg.loss_chunk_tokens, mlp_chunk_tokens=cfg.mlp_chunk_tokens,
-        boundaries_on_gpu=0 if cfg.boundary_offload == "host" else None)
+        boundaries_on_gpu=0 if cfg.boundary_offload == "host" else None, recompute=cfg.recompute,
+        schedule=cfg.micro_batch_schedule if cfg.micro_batches > 1 else "layers",
+        seq_len=seq_len, stream_bytes=2 if cfg.stream_dtype == "bf16" else 4)
 
 
 def spec_group_numels(spec) -> dict[str, int]:
@@ -131,17 +133,21 @@ def spec_group_numels(spec) -> dict[str, int]:
 
 
 def plan_for_spec(spec, options: dict | None = None, *, micro_batches: int = 1, tokens_per_step: int,
-                  gpu_free: int, host_available: int) -> "placement.Placement":
+                  gpu_free: int, host_available: int, seq_len: int | None = None) -> "placement.Placement":
     """The engine's two-tier placement plan for a ``ModelSpec`` on a GPU with ``gpu_free`` bytes, without
-    building anything (the runner uses it to skip points that cannot fit). Raises MemoryError with the
-    numbers as the engine would."""
+    building anything (the runner uses it to skip points that cannot fit). Raises ``placement.DoesNotFit``
+    (a MemoryError) with the numbers as the engine would. ``host_available``: the host RAM the engine will
+    see (the step-time model chooses the tiers within it; an unlimited host could make it choose a plan the
+    real host cannot hold); ``seq_len``: tokens per sequence (attention FLOPs in the model; default one
+    sequence per micro-batch)."""
     from .config import EngineConfig
 
     opts = {k: v for k, v in dict(options or {}).items() if k in {f.name for f in fields(EngineConfig)}}
     cfg = EngineConfig(micro_batches=micro_batches, **opts)
     shape = step_shape(cfg, num_layers=spec.num_layers, hidden=spec.hidden_size, ffn=spec.intermediate_size,
                        vocab=spec.vocab_size, tokens_per_micro_batch=max(1, tokens_per_step // micro_batches),
-                       compute_bytes=2, on_gpu=True)
+                       compute_bytes=2, on_gpu=True,
+                       seq_len=seq_len or min(spec.max_position_embeddings, max(1, tokens_per_step // micro_batches)))
     return placement.plan(spec_group_numels(spec), shape, setting=str(cfg.gpu_resident), on_gpu=True,
                           gpu_free=gpu_free, host_available=host_available,
                           gpu_margin=int(cfg.gpu_margin_gib * placement.GIB),

@@ -32,6 +32,9 @@ class GroupOptimizer(Protocol):
 
     def wait_group(self, name: str): ...  # returns a device event the next load must wait on, or None
 
+    # Optional: ``device_source(name)`` -> the group's updated master already on the GPU (the next load casts
+    # it instead of copying from host RAM), or None. Implementations without it have none.
+
     def wait_all(self) -> None: ...
 
     def close(self) -> None: ...
@@ -139,6 +142,11 @@ class Optimizers:
 
     def wait_group(self, name: str):
         return self.by_group[name].wait_group(name)
+
+    def device_source(self, name: str):
+        """``name``'s updated master on the GPU for its next load, or None (load from its store)."""
+        source = getattr(self.by_group[name], "device_source", None)
+        return source(name) if source is not None else None
 
     def wait_all(self) -> None:
         for impl in self.impls:

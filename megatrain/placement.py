@@ -21,19 +21,51 @@ the threshold rule would chunk a micro-batch, the GPU is planned both ways and t
 when it fits and places everything as the chunked one does (same tiers, same gradient placement, same
 block boundaries on the GPU). Chunking costs one more MLP forward per layer in the backward; it pays only
 when it changes what fits. The resolved value is ``Placement.mlp_chunk_tokens``; the engine runs it.
+
+Activations (``recompute``, EngineConfig): per checkpoint block, keep its activations from the forward to
+the backward (no recompute) or recompute the block from its boundary. "all" recomputes every block (the
+paper); "none" keeps every block (refused when that does not fit); "auto" lets the step-time model
+(megatrain/cost_model.py) choose where GPU memory is contested: for each GPU-tier prefix in preference order
+(from the most that fits down to none) the plan keeps as many blocks as fit in what is left (the blocks
+whose recompute costs most first), predicts the step, and keeps the fastest; a plan with fewer GPU-tier
+groups must be predicted more than ``CONTESTED_GAIN`` faster to win (the model is least sure where it trades
+host-side work for GPU work). Blocks are kept only with every block boundary on the GPU and the MLP
+unchunked (a chunked layer recomputes in its backward by construction). On a CPU run there is no GPU memory
+to plan: "auto" recomputes as "all" does. ``block_and_slots`` is the one formula for K and the slot pool.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
 
-from . import activations
+from . import activations, cost_model
 from .chunked_mlp import AUTO_MIN_TOKENS, resolve_chunk
 
 GIB = 2**30
+CONTESTED_GAIN = 0.05  # a plan with fewer GPU-tier groups must be predicted this much faster to be chosen
+# micro_batch_schedule="auto" considers "sequential" only from this many tokens per micro-batch: below it a
+# layer's GEMMs run less efficiently, which the step-time model does not know (the best all-on-GPU 3B runs
+# on the H200 used micro-batches of 8 x 1024 tokens).
+SEQUENTIAL_MIN_TOKENS = 4096
 OVERHEAD_HOST_BYTES = int(1.5 * GIB)  # Python, torch, CUDA context on the host (measured order)
 GPU_TIER_BYTES_PER_PARAM = 12  # fp32 master + m + v
 HOST_TIER_BYTES_PER_PARAM = 12
+
+
+class DoesNotFit(MemoryError):
+    """The plan refuses a configuration before anything is allocated: one line saying which memory, by how
+    much, and what to change. ``placement``: the plan it tried (``placement.summary()`` has its parts)."""
+
+    def __init__(self, message: str, placement: "Placement | None" = None):
+        super().__init__(message)
+        self.placement = placement
+
+
+def block_and_slots(checkpoint_interval: int, num_slots: int, num_layers: int) -> tuple[int, int]:
+    """(K, pool slots): K = checkpoint_interval layers per block (0 = every layer in one block), and the pool
+    holds one block resident through recompute + backward plus ``num_slots - 1`` prefetch slots."""
+    block = min(checkpoint_interval or num_layers, num_layers)
+    return block, block + num_slots - 1
 
 
 @dataclass
@@ -56,6 +88,31 @@ class StepShape:
     mlp_chunk_tokens: int = -1  # as EngineConfig.mlp_chunk_tokens
     boundaries_on_gpu: int | None = None  # None: all block boundaries on the GPU; g: g of them (rest on host)
     grads: str = "gpu"  # where host-tier gradients wait for the norm: "gpu" | "host" (see module doc)
+    recompute: str = "all"  # as EngineConfig.recompute: "auto" | "all" | "none"
+    kept_blocks: tuple[int, ...] = ()  # blocks (index b: layers b*K ..) whose activations are kept
+    seq_len: int = 0  # tokens per sequence (attention FLOPs in the step-time model); 0: tokens_per_micro_batch
+    stream_bytes: int = 4  # bytes per parameter a host-tier layer load moves (4 fp32 master, 2 bf16 shadow)
+    schedule: str = "layers"  # as EngineConfig.micro_batch_schedule ("layers" with one micro-batch)
+
+    @property
+    def sequential(self) -> bool:
+        return self.schedule == "sequential" and self.micro_batches > 1
+
+    @property
+    def held_micro_batches(self) -> int:
+        """Micro-batches whose activations the GPU holds at once (one at a time when sequential)."""
+        return 1 if self.sequential else self.micro_batches
+
+    @property
+    def num_blocks(self) -> int:
+        return math.ceil(self.num_layers / self.block)
+
+    def block_layers(self, b: int) -> range:
+        return range(b * self.block, min((b + 1) * self.block, self.num_layers))
+
+    @property
+    def kept_layers(self) -> int:
+        return sum(len(self.block_layers(b)) for b in self.kept_blocks)
 
 
 @dataclass
@@ -72,6 +129,16 @@ class Placement:
     boundaries_on_gpu: int | None = None  # as StepShape after boundary offload: None = all on the GPU
     mlp_chunk_tokens: int = -1  # the MLP chunk the plan sized the step for: -1 none, N tokens (never 0 = auto)
     mlp_chunk_reason: str = ""  # why that chunk (summary)
+    block: int = 1  # checkpoint interval K (block_and_slots)
+    num_pool_slots: int = 2
+    num_blocks: int = 1
+    kept_blocks: tuple[int, ...] = ()  # blocks whose activations are kept (no recompute); the engine runs these
+    recompute: str = "all"  # EngineConfig.recompute as asked
+    recompute_reason: str = ""  # why these blocks (summary)
+    prediction: "cost_model.Prediction | None" = None  # the step-time model's step for this plan (GPU runs)
+    on_gpu: bool = True  # False: a CPU run, both "tiers" in host RAM
+    sequential: bool = False  # forward + backward one micro-batch at a time (micro_batch_schedule)
+    schedule_reason: str = ""
 
     @property
     def gpu_names(self) -> list[str]:
@@ -92,6 +159,21 @@ class Placement:
         """fp32 master + m + v bytes the store allocates for ``tier`` (excluding any bf16 shadow)."""
         return 12 * self.params_on(tier)
 
+    @property
+    def kept_text(self) -> str:
+        """"kept 3/18": blocks whose activations are kept / blocks (the rows' ``recompute`` column)."""
+        return f"kept {len(self.kept_blocks)}/{self.num_blocks}"
+
+    def info(self) -> dict:
+        """The plan's decisions and prediction as flat keys (``MegaTrain.info``; the runner's rows)."""
+        out = {"recompute_setting": self.recompute, "blocks": self.num_blocks, "blocks_kept": len(self.kept_blocks),
+               "micro_batch_schedule": "sequential" if self.sequential else "layers",
+               "recompute_blocks": self.kept_text, "gpu_resident_layers": self.gpu_layers,
+               "predicted_step_s": self.prediction.step_s if self.prediction else None}
+        if self.prediction:
+            out.update({f"predicted_{k}": v for k, v in self.prediction.parts.items()})
+        return out
+
     def summary(self) -> str:
         def names(tier):
             items = [n for n, t in self.tiers.items() if t == tier]
@@ -105,11 +187,27 @@ class Placement:
             return ", ".join(f"{k} {v / GIB:.2f}" for k, v in parts.items() if v)
 
         grads = self.grads if self.grad_setting == self.grads else f"{self.grad_setting} -> {self.grads}"
-        lines = [f"placement (gpu_resident={self.setting}, grad_placement={grads}): GPU tier: {names('gpu')} = "
-                 f"{_count(self.params_on('gpu'))} params; host tier: {names('host')} = "
-                 f"{_count(self.params_on('host'))} params"]
+        if self.on_gpu:
+            lines = [f"placement (gpu_resident={self.setting}, grad_placement={grads}): GPU tier: {names('gpu')} = "
+                     f"{_count(self.params_on('gpu'))} params; host tier: {names('host')} = "
+                     f"{_count(self.params_on('host'))} params"]
+        else:  # a CPU run: one memory, no GPU tier to speak of
+            lines = [f"placement (CPU run: every group and every activation in host RAM; grad_placement={grads}): "
+                     f"{_count(sum(self.numels.values()))} params"]
         chunk = "none" if self.mlp_chunk_tokens < 0 else f"{self.mlp_chunk_tokens} tokens"
         lines.append(f"  MLP chunk: {chunk} ({self.mlp_chunk_reason})")
+        lines.append(f"  activations: {self.kept_text} blocks (K = {self.block}), the rest recomputed "
+                     f"(recompute={self.recompute}: {self.recompute_reason})")
+        if self.schedule_reason:
+            lines.append(f"  micro-batches: {'sequential' if self.sequential else 'layers'} ({self.schedule_reason})")
+        if self.prediction is not None:
+            lines.append(f"  {self.prediction.describe()}")
+        if not self.on_gpu:
+            parts = {**self.host_parts, **{k: v for k, v in self.gpu_parts.items() if k != "gpu_tier_state"}}
+            parts["host_tier_state"] = parts.get("host_tier_state", 0) + self.gpu_parts.get("gpu_tier_state", 0)
+            budget = f" of {self.host_budget / GIB:.1f} usable" if self.host_budget is not None else ""
+            lines.append(f"  host RAM predicted {sum(parts.values()) / GIB:.2f} GiB{budget} (GiB: {gib(parts)})")
+            return "\n".join(lines)
         if self.gpu_parts:
             budget = f" of {self.gpu_budget / GIB:.1f} usable" if self.gpu_budget is not None else ""
             lines.append(f"  GPU predicted {sum(self.gpu_parts.values()) / GIB:.2f} GiB{budget} (GiB: {gib(self.gpu_parts)})")
@@ -151,14 +249,17 @@ def gpu_fixed_parts(numels: dict[str, int], shape: StepShape, any_gpu_tier: bool
         "slots": shape.num_pool_slots * max_layer * c,
         "staging": max_layer * 4 if (any_host_layer and shape.stream_fp32 and c != 4) else 0,
         "resident_compute": other * c,
-        "grad_accumulators": shape.block * max_layer * 4 if shape.micro_batches > 1 else 0,
+        # fp32 sums across micro-batches: one block's at a time, or every layer's through a sequential step
+        "grad_accumulators": (shape.num_layers if shape.sequential else shape.block) * max_layer * 4
+        if shape.micro_batches > 1 else 0,
         "update_scratch": max(numels.values()) * 4 if (any_gpu_tier and c != 4) else 0,
     }
     parts.update(activations.gpu_working_set(
         num_layers=shape.num_layers, hidden=shape.hidden, ffn=shape.ffn, vocab=shape.vocab,
-        micro_batches=shape.micro_batches, tokens_per_micro_batch=shape.tokens_per_micro_batch, block=shape.block,
-        compute_bytes=c, loss_chunk_tokens=shape.loss_chunk_tokens, mlp_chunk_tokens=shape.mlp_chunk_tokens,
-        boundaries_on_gpu=shape.boundaries_on_gpu))
+        micro_batches=shape.held_micro_batches, tokens_per_micro_batch=shape.tokens_per_micro_batch,
+        block=shape.block, compute_bytes=c, loss_chunk_tokens=shape.loss_chunk_tokens, mlp_chunk_tokens=shape.mlp_chunk_tokens,
+        boundaries_on_gpu=shape.boundaries_on_gpu, kept_layers=shape.kept_layers,
+        recomputed_blocks=shape.num_blocks - len(shape.kept_blocks)))
     return parts
 
 
@@ -179,7 +280,7 @@ def host_boundaries(shape: StepShape) -> int:
     if shape.boundaries_on_gpu is None:
         return 0
     return activations.host_boundary_bytes(
-        num_layers=shape.num_layers, hidden=shape.hidden, micro_batches=shape.micro_batches,
+        num_layers=shape.num_layers, hidden=shape.hidden, micro_batches=shape.held_micro_batches,
         tokens_per_micro_batch=shape.tokens_per_micro_batch, block=shape.block, compute_bytes=shape.compute_bytes,
         boundaries_on_gpu=shape.boundaries_on_gpu)
 
@@ -221,31 +322,85 @@ def tiers_for_layers(names: list[str], n: int) -> dict[str, str]:
 
 
 def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool, gpu_free: int, host_available: int,
-         gpu_margin: int, host_margin: int, tiers: dict[str, str] | None = None, grads: str = "auto") -> Placement:
+         gpu_margin: int, host_margin: int, tiers: dict[str, str] | None = None, grads: str = "auto",
+         kept: set[int] | None = None, rates: "cost_model.Rates | None" = None) -> Placement:
     """Decide the tiers (or check the given ``tiers``), where the host tier's gradients wait (``grads``:
-    "gpu" | "host" | "auto") and, for ``shape.mlp_chunk_tokens`` = 0, whether to chunk the MLP (see module
-    doc), and predict both memories. Raises MemoryError with the numbers when the configuration fits
-    neither; nothing has been allocated at that point."""
+    "gpu" | "host" | "auto"), for ``shape.mlp_chunk_tokens`` = 0 whether to chunk the MLP, and which blocks
+    keep their activations (``shape.recompute``, or the given ``kept`` block indices), and predict both
+    memories and (on a GPU) the step time at ``rates`` (see module doc). Raises ``DoesNotFit`` (a
+    MemoryError) with one line of numbers when the configuration fits neither; nothing has been allocated
+    at that point."""
     if grads not in ("gpu", "host", "auto"):
         raise ValueError(f"grads must be 'gpu', 'host' or 'auto', got {grads!r}")
     args = dict(setting=setting, on_gpu=on_gpu, gpu_free=gpu_free, host_available=host_available,
-                gpu_margin=gpu_margin, host_margin=host_margin, tiers=tiers)
-    placement, problems = _plan_grads(numels, shape, grads, args)
+                gpu_margin=gpu_margin, host_margin=host_margin, tiers=tiers, kept=kept, rates=rates)
+    asked = shape.recompute
+    if asked == "none" and shape.mlp_chunk_tokens == 0:
+        shape = replace(shape, mlp_chunk_tokens=-1)  # a kept layer is never chunked (its backward would recompute)
+    # The MLP chunk is decided with every block recomputed (as before kept blocks existed): keeping blocks
+    # must not be what makes the unchunked plan lose (then it would chunk, and keep nothing).
+    probe = replace(shape, recompute="all") if asked == "auto" and kept is None else shape
+    placement, problems = _plan_grads(numels, probe, grads, args)
     reason = _chunk_rule(shape, placement.mlp_chunk_tokens)
     # Only "auto" is the plan's to decide (an explicit N or -1 is the user's), only on a GPU (on the CPU
     # both "memories" are host RAM and nothing is gained by planning twice), and only where the threshold
     # rule chunks (below it the plan is unchunked already).
     if shape.mlp_chunk_tokens == 0 and on_gpu and placement.mlp_chunk_tokens > 0:
-        unchunked, its_problems = _plan_grads(numels, replace(shape, mlp_chunk_tokens=-1), grads, args)
+        unchunked, its_problems = _plan_grads(numels, replace(probe, mlp_chunk_tokens=-1), grads, args)
         lost = _what_unchunked_loses(unchunked, its_problems, placement)
         if not lost:
             placement, problems, reason = unchunked, its_problems, "auto: fits unchunked"
         else:
             reason = f"auto: unchunked would {lost}"
-    placement.grad_setting, placement.mlp_chunk_reason = grads, reason
+    if probe is not shape and on_gpu and not problems and placement.mlp_chunk_tokens < 0:
+        # recompute="auto": now the activation plan, with the MLP chunk decided above (unchunked)
+        placement, problems = _plan_grads(numels, replace(shape, mlp_chunk_tokens=-1), grads, args)
+    elif probe is not shape:  # "auto" that keeps nothing, and why
+        placement.recompute_reason = ("CPU run: recompute every block (no GPU memory to plan)" if not on_gpu else
+                                      "auto: nothing kept (the MLP is chunked)" if placement.mlp_chunk_tokens > 0
+                                      else "auto: nothing kept (the plan does not fit)")
+    if shape.schedule == "auto" and shape.micro_batches > 1 and on_gpu and not problems:
+        placement = _schedule(numels, shape, placement, grads, args)
+    placement.grad_setting, placement.mlp_chunk_reason, placement.recompute = grads, reason, asked
     if problems:
-        raise MemoryError("model does not fit: " + "; ".join(problems.values()) + "\n" + placement.summary())
+        raise DoesNotFit(_refusal(problems, placement, asked), placement)
     return placement
+
+
+def _schedule(numels, shape: StepShape, layers: Placement, grads, args) -> Placement:
+    """micro_batch_schedule="auto": the "layers" plan, or the "sequential" one where it fits and the model
+    predicts it CONTESTED_GAIN faster (it holds one micro-batch's activations, so it can keep more blocks,
+    but loads every layer once more per micro-batch). Not below SEQUENTIAL_MIN_TOKENS tokens per
+    micro-batch, nor with a chunked MLP (nothing is kept then)."""
+    if shape.tokens_per_micro_batch < SEQUENTIAL_MIN_TOKENS:
+        layers.schedule_reason = f"auto: micro-batches of {shape.tokens_per_micro_batch} tokens, < {SEQUENTIAL_MIN_TOKENS}"
+        return layers
+    if layers.mlp_chunk_tokens > 0:
+        layers.schedule_reason = "auto: the MLP is chunked"
+        return layers
+    seq, problems = _plan_grads(numels, replace(shape, schedule="sequential", mlp_chunk_tokens=-1), grads, args)
+    a, b = layers.prediction.step_s, (seq.prediction.step_s if seq.prediction else float("inf"))
+    if not problems and b < a * (1 - CONTESTED_GAIN):
+        seq.mlp_chunk_tokens, seq.mlp_chunk_reason = layers.mlp_chunk_tokens, layers.mlp_chunk_reason
+        seq.schedule_reason = f"auto: predicted {b:.3f} s keeping {len(seq.kept_blocks)}/{seq.num_blocks} blocks, vs {a:.3f} s over all micro-batches at once"
+        return seq
+    why = "does not fit" if problems else f"predicted {b:.3f} s vs {a:.3f} s"
+    layers.schedule_reason = f"auto: sequential {why}"
+    return layers
+
+
+def _refusal(problems: dict[str, str], placement: Placement, recompute: str) -> str:
+    """One line: which memory does not hold what, and what a user can change."""
+    hints = []
+    if "gpu" in problems:
+        if recompute == "none" and placement.kept_blocks:
+            hints.append("recompute='auto' keeps only the activations that fit")
+        if placement.setting != "auto" and placement.gpu_layers:
+            hints.append("fewer GPU-resident layers (gpu_resident=auto)")
+        hints.append("fewer tokens per micro-batch (micro_batches=)")
+    if "host" in problems:
+        hints.append("a smaller model or a machine with more RAM" + ("" if placement.on_gpu else " (or a GPU)"))
+    return "model does not fit: " + "; ".join(problems.values()) + " - try " + " or ".join(hints)
 
 
 def _plan_grads(numels, shape, grads, args) -> tuple[Placement, dict[str, str]]:
@@ -294,40 +449,153 @@ def resolved_chunk(shape: StepShape) -> int:
 
 
 def _plan_with(numels, shape, *, setting, on_gpu, gpu_free, host_available, gpu_margin, host_margin,
-               tiers) -> tuple[Placement, dict[str, str]]:
+               tiers, kept=None, rates=None) -> tuple[Placement, dict[str, str]]:
     """One plan for ``shape.grads``: the placement and what does not fit ({"gpu" | "host": message})."""
     names = list(numels)
     host_budget = host_available - host_margin
     gpu_budget = gpu_free - gpu_margin if on_gpu else None
-    if tiers is None:
-        if setting == "auto":
-            tiers = {x: "host" for x in names}
-            if on_gpu:  # greedy in preference order while the GPU budget holds
-                for name in preference_order(names):
-                    trial = dict(tiers, **{name: "gpu"})
-                    if _gpu_total(numels, trial, shape) > gpu_budget:
-                        break
-                    tiers = trial
-        else:
-            tiers = tiers_for_layers(names, int(setting))
-    if on_gpu:
-        shape = offload_boundaries_if_needed(numels, tiers, shape, gpu_budget)
+    if kept is not None:
+        shape, reason = replace(shape, kept_blocks=_check_kept(kept, shape)), "asked: the given blocks"
+    elif shape.recompute == "none":
+        shape, reason = replace(shape, kept_blocks=tuple(range(shape.num_blocks))), "asked: keep every block"
+    else:
+        reason = "asked: recompute every block"
+        shape = replace(shape, kept_blocks=())
+    if tiers is None and setting != "auto":
+        tiers = tiers_for_layers(names, int(setting))
+    if tiers is None and not on_gpu:
+        tiers = {x: "host" for x in names}
+    choose = on_gpu and kept is None and shape.recompute == "auto"
+    options = [tiers] if tiers is not None else _gpu_prefixes(numels, shape, gpu_budget, every=choose)
+    if choose:  # the step-time model picks the GPU-tier prefix and the kept blocks together
+        tiers, shape, prediction, reason = _choose(numels, options, shape, gpu_budget, host_budget, rates)
+    else:
+        tiers = options[0]
+        if on_gpu:
+            shape = offload_boundaries_if_needed(numels, tiers, shape, gpu_budget)
+        prediction = cost_model.predict(step_load(numels, tiers, shape), rates) if on_gpu else None
     placement = Placement(tiers=dict(tiers), numels=dict(numels), setting=setting,
                           gpu_budget=gpu_budget, host_budget=host_budget, grads=shape.grads, grad_setting=shape.grads,
-                          boundaries_on_gpu=shape.boundaries_on_gpu, mlp_chunk_tokens=resolved_chunk(shape))
+                          boundaries_on_gpu=shape.boundaries_on_gpu, mlp_chunk_tokens=resolved_chunk(shape),
+                          block=shape.block, num_pool_slots=shape.num_pool_slots, num_blocks=shape.num_blocks,
+                          kept_blocks=shape.kept_blocks, recompute=shape.recompute, recompute_reason=reason,
+                          prediction=prediction, on_gpu=on_gpu, sequential=shape.sequential)
     placement.gpu_parts = _gpu_parts(numels, tiers, shape)
     placement.host_parts = host_parts_for(numels, tiers, shape)
     gpu_total, host_total = sum(placement.gpu_parts.values()), sum(placement.host_parts.values())
-    if not on_gpu:  # both "tiers" share host memory (CPU runs, tests)
-        host_total += gpu_total
     problems = {}
     if on_gpu and gpu_total > gpu_budget:
         problems["gpu"] = (f"GPU needs {gpu_total / GIB:.2f} GiB but {gpu_free / GIB:.2f} GiB is free "
                            f"(minus a {gpu_margin / GIB:.1f} GiB margin = {gpu_budget / GIB:.2f} GiB)")
-    if host_total > host_budget:
+    if not on_gpu:  # both "tiers" and the activations share host memory (CPU runs, tests): one number
+        if host_total + gpu_total > host_budget:
+            problems["host"] = (f"host needs {(host_total + gpu_total) / GIB:.2f} GiB of RAM (CPU run: weights, "
+                                f"optimizer state and activations) but {host_available / GIB:.2f} GiB is available "
+                                f"(minus a {host_margin / GIB:.1f} GiB margin = {host_budget / GIB:.2f} GiB)")
+    elif host_total > host_budget:
         problems["host"] = (f"host needs {host_total / GIB:.2f} GiB but {host_available / GIB:.2f} GiB is available "
                             f"(minus a {host_margin / GIB:.1f} GiB margin = {host_budget / GIB:.2f} GiB)")
     return placement, problems
+
+
+def _check_kept(kept, shape: StepShape) -> tuple[int, ...]:
+    out = tuple(sorted(set(int(b) for b in kept)))
+    if any(not 0 <= b < shape.num_blocks for b in out):
+        raise ValueError(f"kept blocks {list(out)}: the model has blocks 0..{shape.num_blocks - 1} "
+                         f"({shape.num_layers} layers, {shape.block} per block)")
+    if out and resolved_chunk(shape) > 0:
+        raise ValueError("kept blocks need an unchunked MLP (mlp_chunk_tokens=-1): a chunked layer recomputes "
+                         "its MLP in the backward by construction")
+    return out
+
+
+def _gpu_prefixes(numels, shape, gpu_budget, every: bool) -> list[dict[str, str]]:
+    """GPU-tier choices in preference order: the longest prefix that fits the GPU budget (greedy), then, with
+    ``every``, each shorter one down to none (the step-time model chooses among them)."""
+    names = list(numels)
+    tiers = {x: "host" for x in names}
+    prefix = []
+    for name in preference_order(names):
+        trial = dict(tiers, **{name: "gpu"})
+        if _gpu_total(numels, trial, shape) > gpu_budget:
+            break
+        tiers = trial
+        prefix.append(name)
+    if not every:
+        return [tiers]
+    return [{x: ("gpu" if x in prefix[:n] else "host") for x in names} for n in range(len(prefix), -1, -1)]
+
+
+def _choose(numels, options, shape, gpu_budget, host_budget, rates):
+    """recompute="auto": for each GPU-tier choice (most GPU tier first) whose host side fits, the boundaries
+    and the blocks that fit, predicted; the fastest wins, and one with fewer GPU-tier groups only by more
+    than CONTESTED_GAIN. Returns (tiers, shape, prediction, reason)."""
+    best = baseline = None
+    for n, tiers in enumerate(options):
+        cand = offload_boundaries_if_needed(numels, tiers, shape, gpu_budget)
+        if n and sum(host_parts_for(numels, tiers, cand).values()) > host_budget:
+            break  # fewer GPU-tier groups only put more on the host from here on
+        if cand.boundaries_on_gpu is None and resolved_chunk(cand) < 0:
+            cand = _keep_what_fits(numels, tiers, cand, gpu_budget, rates)
+        pred = cost_model.predict(step_load(numels, tiers, cand), rates)
+        if baseline is None:
+            baseline = (tiers, cost_model.predict(step_load(numels, tiers, replace(cand, kept_blocks=())), rates))
+        if best is None or pred.step_s < best[2].step_s * (1 - CONTESTED_GAIN):
+            best = (tiers, cand, pred)
+    tiers, cand, pred = best
+    gpu = sum(1 for t in tiers.values() if t == "gpu")
+    most = sum(1 for t in baseline[0].values() if t == "gpu")
+    if not cand.kept_blocks:
+        why = "no block fits beside the rest" if cand.boundaries_on_gpu is None else "block boundaries offloaded"
+        reason = f"auto: nothing kept ({why})"
+    else:
+        reason = f"auto: {len(cand.kept_blocks)} blocks fit beside the rest"
+    reason += (f"; predicted {pred.step_s:.3f} s with {gpu} GPU-tier groups vs {baseline[1].step_s:.3f} s "
+               f"recomputing every block with {most}")
+    return tiers, cand, pred, reason
+
+
+def _keep_what_fits(numels, tiers, shape: StepShape, gpu_budget: int, rates) -> StepShape:
+    """``shape`` keeping the most blocks that fit ``gpu_budget``, those whose recompute the model says costs
+    most first (a block whose backward waits for its weights' load anyway saves nothing and is not kept)."""
+    load = step_load(numels, tiers, shape)
+    saving = []
+    for b in range(shape.num_blocks):
+        s = 0.0
+        for i in shape.block_layers(b):
+            f, r, bwd = cost_model.layer_times(load, rates or cost_model.Rates(), load.layer_params[i])
+            move = 0.0 if load.layer_on_gpu[i] else \
+                load.layer_params[i] * load.stream_bytes / ((rates or cost_model.Rates()).h2d_gbps * cost_model.GB)
+            s += max(bwd + r, move) - max(bwd, move)
+        saving.append(s)
+    order = [b for b in sorted(range(shape.num_blocks), key=lambda b: -saving[b]) if saving[b] > 0]
+
+    def fits(k):
+        return _gpu_total(numels, tiers, replace(shape, kept_blocks=tuple(sorted(order[:k])))) <= gpu_budget
+
+    if order and len(order) == shape.num_blocks and fits(len(order)):  # all kept: no recompute working set
+        return replace(shape, kept_blocks=tuple(range(shape.num_blocks)))
+    lo, hi = 0, max(0, len(order) - 1)
+    while lo < hi:  # the largest k that fits (memory grows with k below "all")
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return replace(shape, kept_blocks=tuple(sorted(order[:lo])))
+
+
+def step_load(numels: dict[str, int], tiers: dict[str, str], shape: StepShape) -> "cost_model.StepLoad":
+    """What the plan makes one step do, for the step-time model."""
+    layers = [x for x in numels if x.startswith("layer.")]
+    kept = {i for b in shape.kept_blocks for i in shape.block_layers(b)}
+    other = [x for x in numels if not x.startswith("layer.")]
+    return cost_model.StepLoad(
+        tokens=shape.tokens_per_micro_batch * shape.micro_batches,
+        seq_len=shape.seq_len or shape.tokens_per_micro_batch, hidden=shape.hidden, vocab=shape.vocab,
+        layer_params=[numels[x] for x in layers], layer_on_gpu=[tiers[x] == "gpu" for x in layers],
+        layer_kept=[i in kept for i in range(len(layers))],
+        other_params_gpu=sum(numels[x] for x in other if tiers[x] == "gpu"),
+        other_params_host=sum(numels[x] for x in other if tiers[x] == "host"),
+        stream_bytes=shape.stream_bytes, grad_bytes=4 if shape.grads == "host" else shape.compute_bytes,
+        passes=shape.micro_batches if shape.sequential else 1, compute_bytes=shape.compute_bytes)
 
 
 def _gpu_parts(numels, tiers, shape) -> dict[str, int]:

@@ -55,7 +55,7 @@ class SlotPool:
     def __init__(self, *, store: ModelStore, layer_groups: list[Group], make_template: Callable[[str], nn.Module],
                  kinds: list[str], num_slots: int, device: torch.device, dtype: torch.dtype, streams: StreamSet,
                  wait_for_update: Callable[[str], object], prefetch: bool = True, link=NULL_LINK,
-                 host_tier: set[str] = frozenset()):
+                 host_tier: set[str] = frozenset(), device_source: Callable[[str], object] | None = None):
         self.store = store
         # prefetch=False is the "no double buffering" ablation: a layer is loaded only when compute asks
         # for it, and the copy waits for all queued compute, so transfer and compute never overlap.
@@ -65,6 +65,9 @@ class SlotPool:
         self.streams = streams
         self.dtype = dtype
         self.wait_for_update = wait_for_update
+        # A host-tier group updated on the GPU (megatrain/streamed_update.py) may offer its updated master
+        # there: the load is then a cast on the device, no copy from host RAM.
+        self.device_source = device_source or (lambda name: None)
         # Loads of host-tier layers cross the host link (``link`` emulates a slower one, megatrain/link.py);
         # a GPU-tier layer's "load" is a cast on the device.
         self.link, self.host_tier = link, host_tier
@@ -172,7 +175,8 @@ class SlotPool:
         # be running on the CPU; this blocks until its weights are final, before they cross PCIe.
         # GPU tier: the update is queued on the compute stream; we get its event to order the cast after it.
         updated = self.wait_for_update(group.name)
-        src = self.store.stream_source(group.name)
+        kept = self.device_source(group.name)  # after wait_for_update: ``updated`` is the event it needs
+        src = kept if kept is not None else self.store.stream_source(group.name)
         n = group.numel
         with self.streams.use(self.streams.h2d):
             # The slot's previous layer may still be in use by kernels queued on the compute stream.
@@ -186,7 +190,7 @@ class SlotPool:
             else:
                 self.staging[:n].copy_(src, non_blocking=True)
                 slot.buf[:n].copy_(self.staging[:n])  # cast on the GPU, ordered after the copy
-            if group.name in self.host_tier:  # before ``ready``: compute waits as over the emulated link
+            if group.name in self.host_tier and kept is None:  # before ``ready``: as over the emulated link
                 self.link.throttle(self.streams.h2d, n * src.element_size(), "h2d")
             slot.ready = self.streams.record(self.streams.h2d)
         slot.layer = layer

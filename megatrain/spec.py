@@ -124,6 +124,9 @@ PRESETS: dict[str, ModelSpec] = {
     # Dense stand-in with GPT-OSS-120B's parameter count (~117B): the real model is MoE, which the
     # engine does not stream yet; this keeps the host-memory footprint of the paper's largest run.
     "gpt-oss-120b-dense": ModelSpec("qwen2", 8192, 116, 64, 8, 33792, 201088, False, name="gpt-oss-120b-dense"),
+    # SmolLM2-135M-Instruct (the SFT accuracy sweep's pretrained model, shipped as a GGUF: docs/sft.md)
+    "smollm2-135m": ModelSpec("llama", 576, 30, 9, 3, 1536, 49152, True, max_position_embeddings=8192,
+                              rope_theta=100000.0, rms_norm_eps=1e-5, name="smollm2-135m"),
     "llama3-8b": ModelSpec("llama", 4096, 32, 32, 8, 14336, 128256, False, rope_theta=500000.0, name="llama3-8b"),
 }
 

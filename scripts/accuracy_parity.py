@@ -10,6 +10,13 @@ Split over calls (a per-command time limit): the same arguments but ``--systems`
     python scripts/accuracy_parity.py --systems zero3 --cache C --out B
     python scripts/accuracy_parity.py --merge A/accuracy_parity.jsonl B/accuracy_parity.jsonl --out DIR
 
+ZenFlow (issue 24; not exact AdamW: top-k columns on the GPU every step, the rest on the CPU every
+update_interval steps) runs as one more system, its knobs from ``--zenflow`` (JSON over the tutorial's
+defaults); it is evaluated on the weights it trains with (its GPU parameters: the host masters miss the
+GPU-side column updates between selections), and needs ``--micro-batches 1``:
+
+    python scripts/accuracy_parity.py --systems zenflow --cache C --out Z   # then --merge with the others
+
 Every system (``--systems``, default native,megatrain,zero3; built through ``baselines.build_system``)
 loads the same initial weights (one HF folder written once into the init cache, ``experiments.cache``)
 and trains ``--steps`` AdamW steps on the same batches: byte-level tokens of the Python standard
@@ -73,6 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--gpu-resident", default="0",
                    help="the engine's gpu_resident: '0' = every layer streamed, host AdamW (the paper's mode)")
+    p.add_argument("--zenflow", default=None, metavar="JSON",
+                   help='ZenFlow knobs over its defaults (baselines/zenflow.py), e.g. \'{"topk_ratio": 0.1}\'')
     p.add_argument("--held-out", type=float, default=0.1, help="fraction of the byte stream kept for evaluation")
     p.add_argument("--text-bytes", type=int, default=4 << 20, help="bytes of stdlib source to use")
     p.add_argument("--seed", type=int, default=0, help="initial weights and batch order")
@@ -87,6 +96,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not 0 < args.held_out < 1:
         p.error("--held-out must be in (0, 1)")
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if args.zenflow is not None:
+        try:
+            args.zenflow = json.loads(args.zenflow)
+        except ValueError as e:
+            p.error(f"--zenflow: not JSON ({e})")
+        if not isinstance(args.zenflow, dict):
+            p.error("--zenflow: a JSON object of ZenFlow knobs")
+    if "zenflow" in args.systems and args.micro_batches != 1:
+        p.error("--micro-batches must be 1 with zenflow (its update_interval is DeepSpeed's gradient accumulation)")
     from baselines.registry import SYSTEMS
 
     unknown = [s for s in args.systems if s not in SYSTEMS]
@@ -169,6 +187,8 @@ def run_system(name: str, args, init_dir, train: bytes, evaluate: Evaluator, wri
         return False
     optim = OptimConfig(lr=args.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm)
     options = {"gpu_resident": args.gpu_resident} if name == "megatrain" else {}
+    if name == "zenflow" and args.zenflow:
+        options["zenflow"] = args.zenflow
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     t_build = time.perf_counter()
     system = None
@@ -197,7 +217,9 @@ def run_system(name: str, args, init_dir, train: bytes, evaluate: Evaluator, wri
             train_s += time.perf_counter() - t
         # steps/s is indicative (step() wall time; the engine's last overlapped update before an eval
         # lands in the eval's sync), not a throughput benchmark.
-        write(dict(base, kind="summary", label=system.name, optimizer=system.info.get("optimizer"),
+        # ZenFlow is not exact AdamW: its notes and knobs go with its row
+        extra = {k: system.info[k] for k in ("notes", "zenflow", "zenflow_effective") if k in system.info}
+        write(dict(base, kind="summary", label=system.name, optimizer=system.info.get("optimizer"), **extra,
                    steps=args.steps, final_train_loss=losses[-1], final_eval_loss=eval_loss,
                    steps_per_s=args.steps / train_s, train_s=train_s, build_s=build_s,
                    wall_s=time.perf_counter() - t0, **env))

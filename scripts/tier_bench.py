@@ -44,8 +44,8 @@ def batches(spec, args, n):
     return [synthetic_batch(spec.vocab_size, args.batch, args.seq, 0, s % args.distinct) for s in range(n)]
 
 
-def base_row(spec, args, system, gpu_resident):
-    return dict(system=system, model=spec.name, num_params=spec.num_params(), tokens=args.batch * args.seq,
+def base_row(spec, args, system, gpu_resident, update_path="cpu"):
+    return dict(system=system, update_path=update_path, model=spec.name, num_params=spec.num_params(), tokens=args.batch * args.seq,
                 data=args.data, lr=args.lr, steps_measured=args.steps, warmup_steps=args.warmup,
                 seq=args.seq, batch=args.batch, micro_batches=args.micro_batches, gpu_resident=gpu_resident,
                 max_grad_norm=args.max_grad_norm, git_sha=ENV["git_sha"], gpu=ENV.get("gpu"), date=ENV["date"])
@@ -60,12 +60,13 @@ def finish_row(row, spec, args, times, gpu_peak, host_peak):
     return row
 
 
-def run_engine(spec, args, setting: str) -> dict:
-    row = base_row(spec, args, "megatrain", setting)
+def run_engine(spec, args, setting: str, update_path: str = "cpu") -> dict:
+    row = base_row(spec, args, "megatrain", setting, update_path)
     optim = OptimConfig(lr=args.lr, max_grad_norm=args.max_grad_norm)
     cfg = EngineConfig(device=args.device, optim=optim, micro_batches=args.micro_batches, gpu_resident=setting,
                        checkpoint_interval=args.checkpoint_interval, speculate=args.speculate,
-                       gpu_margin_gib=args.gpu_margin_gib, num_slots=args.num_slots)
+                       gpu_margin_gib=args.gpu_margin_gib, num_slots=args.num_slots,
+                       update_path=update_path.split("+")[0], gpu_path_prefetch=update_path.endswith("+prefetch"))
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -76,7 +77,7 @@ def run_engine(spec, args, setting: str) -> dict:
         row.update(status="refused", reason=str(exc))
         print("REFUSED", str(exc).splitlines()[0], flush=True)
         return row
-    row.update(build_s=time.perf_counter() - t0, plan=engine.placement.summary(),
+    row.update(build_s=time.perf_counter() - t0, plan=engine.placement.summary(), host_update=engine.host_tier.summary(),
                gpu_resident=engine.placement.gpu_layers, gpu_resident_setting=setting)
     steps, host_peak = [], 0
     try:
@@ -85,7 +86,10 @@ def run_engine(spec, args, setting: str) -> dict:
             host_peak = max(host_peak, psutil.Process().memory_info().rss)
             steps.append(dict(r.to_dict(), stats=dict(engine.stats)))
             st = engine.stats
-            print(f"  [megatrain {setting}] step {s} loss {r.loss:.4f} norm {r.grad_norm:.2f} {r.step_time_s:.3f}s "
+            print(f"  [megatrain {setting} {update_path}] cpu/gpu-path groups {int(st['cpu_groups'])}/"
+                  f"{int(st['gpu_path_groups'])} gpu_path busy {st['gpu_path_busy_s']:.3f} wait {st['gpu_path_wait_s']:.3f}",
+                  flush=True)
+            print(f"  [megatrain {setting} {update_path}] step {s} loss {r.loss:.4f} norm {r.grad_norm:.2f} {r.step_time_s:.3f}s "
                   f"spec={int(st['speculated'])} clip={int(st['clipped'])} exposed={st['optimizer_exposed_s']:.3f} "
                   f"fwd={st['forward_s']:.3f} bwd={st['backward_s']:.3f} norm_s={st['grad_norm_s']:.3f} "
                   f"host_busy={st['host_update_busy_s']:.3f}", flush=True)
@@ -109,6 +113,8 @@ def run_engine(spec, args, setting: str) -> dict:
                rollbacks=sum(int(s["stats"]["rollbacks"]) for s in timed),
                optimizer_exposed_s=statistics.median(s["stats"]["optimizer_exposed_s"] for s in timed),
                host_update_busy_s=statistics.median(s["stats"]["host_update_busy_s"] for s in timed),
+               **{k: statistics.median(s["stats"][k] for s in timed)
+                  for k in ("cpu_groups", "gpu_path_groups", "gpu_path_busy_s", "gpu_path_wait_s")},
                losses=[s["loss"] for s in steps], grad_norms=[s["grad_norm"] for s in steps],
                gpu_reserved_gib=mem.gpu_peak_reserved / GIB, pinned_gib=mem.host_pinned / GIB,
                plan_gpu_gib=mem.extra["gpu_estimate_bytes"] / GIB, plan_host_gib=mem.extra["host_estimate_bytes"] / GIB,
@@ -153,6 +159,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     p.add_argument("--gpu-margin-gib", type=float, default=4.0)
     p.add_argument("--systems", default="native,auto,0", help="comma list of native and gpu_resident settings")
+    p.add_argument("--update-paths", default="cpu", help="comma list of EngineConfig.update_path values; each engine "
+                   "system runs once per value (cpu,hybrid: the CPU kernel alone, then with the GPU update path; "
+                   "hybrid+prefetch: with gpu_path_prefetch)")
     p.add_argument("--name", default="tiered")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -162,19 +171,22 @@ def main() -> None:
     (out / "env.json").write_text(json.dumps(ENV, indent=2))
     rows = []
     systems = args.systems.split(",")
-    for system in [s for s in systems if s != "native"] + [s for s in systems if s == "native"]:
+    runs = [(s, u) for s in systems if s != "native" for u in args.update_paths.split(",")]
+    runs += [(s, "cpu") for s in systems if s == "native"]
+    for system, update_path in runs:
         try:
-            row = run_native(spec, args) if system == "native" else run_engine(spec, args, system)
+            row = run_native(spec, args) if system == "native" else run_engine(spec, args, system, update_path)
         except Exception as exc:  # one failing system must not lose the others
-            row = dict(base_row(spec, args, system, system), status="error", reason=f"{type(exc).__name__}: {exc}")
+            row = dict(base_row(spec, args, system, system, update_path), status="error",
+                       reason=f"{type(exc).__name__}: {exc}")
             traceback.print_exc()
         rows.append(row)
         with open(out / f"{args.name}.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
-    print(f"\n{'system':10s} {'resident':>8s} {'s/step':>7s} {'TFLOPS':>7s} {'GPU GiB':>8s} {'host GiB':>8s} "
+    print(f"\n{'system':10s} {'update':>15s} {'resident':>8s} {'s/step':>7s} {'TFLOPS':>7s} {'GPU GiB':>8s} {'host GiB':>8s} "
           f"{'clip':>4s} {'rollb':>5s} {'exposed':>7s} status")
     for r in rows:
-        print(f"{r['system']:10s} {str(r.get('gpu_resident')):>8s} {r.get('step_time_s', float('nan')):7.3f} "
+        print(f"{r['system']:10s} {r.get('update_path', 'cpu'):>15s} {str(r.get('gpu_resident')):>8s} {r.get('step_time_s', float('nan')):7.3f} "
               f"{r.get('tflops', float('nan')):7.1f} {r.get('gpu_peak_gib', float('nan')):8.1f} "
               f"{r.get('host_peak_rss_gib', float('nan')):8.1f} {r.get('clipped_steps', '-')!s:>4s} "
               f"{r.get('rollbacks', '-')!s:>5s} {r.get('optimizer_exposed_s', float('nan')):7.3f} {r['status']} "

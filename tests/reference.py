@@ -22,14 +22,31 @@ def reference_model(hf_config, state_dict):
     return model
 
 
-def reference_train(model, batches, optim, micro_batches: int):
-    """Returns per-step losses (mean token CE over the step) and the final state dict."""
-    opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
+def reference_train(model, batches, optim, micro_batches: int, *, stream_dtype: torch.dtype | None = None,
+                    grad_norms: list | None = None):
+    """Returns per-step losses (mean token CE over the step) and the final state dict.
+
+    ``stream_dtype`` (e.g. torch.bfloat16): mixed precision as a bf16 weight stream does it. The fp32
+    weights are the master that AdamW updates; each step's forward and backward run in fp32 on a copy
+    of the master rounded to ``stream_dtype`` (rounded once per step, after the previous update), and
+    the gradients taken at the rounded weights update the master. ``grad_norms``: if given, each step's
+    global gradient norm (before clipping) is appended to it."""
+    params = list(model.parameters())
+    if stream_dtype is not None:
+        # The master lives apart from the model; the model's parameters hold the rounded compute copy.
+        master = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    else:
+        master = params
+    opt = torch.optim.AdamW(master, lr=optim.lr, betas=optim.betas, eps=optim.eps,
                             weight_decay=optim.weight_decay, foreach=False)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_multiplier(s, optim.warmup_steps, optim.total_steps, optim.min_lr_ratio))
     losses = []
     for batch in batches:
+        if stream_dtype is not None:
+            with torch.no_grad():
+                for p, m in zip(params, master):
+                    p.copy_(m.to(stream_dtype))  # round to the stream dtype, back to fp32 in the copy
         labels = batch.get("labels", batch["input_ids"])
         targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
         denom = int((targets != IGNORE_INDEX).sum())
@@ -45,10 +62,18 @@ def reference_train(model, batches, optim, micro_batches: int):
                                    reduction="sum") / denom
             loss.backward()
             total += loss.item()
-        if optim.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), optim.max_grad_norm)
+        if stream_dtype is not None:
+            for p, m in zip(params, master):
+                m.grad, p.grad = p.grad, None
+        norm = torch.nn.utils.clip_grad_norm_(master, optim.max_grad_norm or float("inf"))
+        if grad_norms is not None:
+            grad_norms.append(float(norm))
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
+    if stream_dtype is not None:  # the state is the master, as the engine's state_dict() is
+        with torch.no_grad():
+            for p, m in zip(params, master):
+                p.copy_(m)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -93,7 +93,8 @@ def init_dirs(tmp_path_factory):
 def test_systems_listed():
     from baselines import SYSTEMS
 
-    assert SYSTEMS == ("megatrain", "zero3", "zero2", "superoffload", "fsdp", "gemini", "native")
+    assert SYSTEMS == ("megatrain", "zero3", "zero2", "superoffload", "superoffload_noclip", "zenflow", "fsdp",
+                       "gemini", "native")
 
 
 def test_unknown_system_lists_choices(tmp_path):

@@ -17,7 +17,7 @@ from megatrain import MegaTrain, ModelSpec, PRESETS
 from megatrain.arch import build_meta_model
 from megatrain.store import make_groups
 
-from test_engine_parity import OPTIM, batches, engine_cfg
+from test_engine_parity import OPTIM, assert_matches_reference, batches, engine_cfg
 from test_engine_tiers import every_other_plus_head
 
 B = 2  # rows per rank; the single-process run gets 2B
@@ -125,12 +125,14 @@ def _parity_rank(rank, world, cfg_kw, tiers_kind, ckpt):
     (dict(), "mixed", True),  # every other layer + head on the "GPU" tier (replicated); save + resume
 ])
 def test_two_ranks_match_one_process_with_twice_the_batch(tmp_path, cfg_kw, tiers_kind, resume):
-    """Same per-step losses and final weights (1e-5, fp32) with clipping firing and 2 micro-batches."""
+    """Same per-step losses and final weights (1e-5, fp32) with clipping firing and 2 micro-batches, as one
+    engine process and as plain PyTorch on the whole batch."""
     cfg_kw = dict(checkpoint_interval=2, micro_batches=2, **cfg_kw)
     ranks = launch(_parity_rank, 2, tmp_path, cfg_kw=cfg_kw, tiers_kind=tiers_kind,
                    ckpt=str(tmp_path / "dp_ckpt") if resume else None)
     _check(ranks)
     engine = MegaTrain.from_config(_hf(), engine_cfg(**cfg_kw), verbose=False, tiers=_tiers(tiers_kind))
+    init = {k: v.clone() for k, v in engine.state_dict().items()}
     data = batches(PRESETS["tiny-llama"], steps=STEPS, bsz=2 * B)
     ref = _train(engine, data[:-1])
     if resume:
@@ -148,6 +150,12 @@ def test_two_ranks_match_one_process_with_twice_the_batch(tmp_path, cfg_kw, tier
         assert torch.equal(got0, got1), f"{name}: ranks disagree"  # shared host tier, identical replicas
         rel = float((got0 - want).norm() / want.norm())
         assert rel <= 1e-5, f"{name}: relative difference {rel:.2e}"
+    # plain PyTorch (tests/reference.py) on the whole 2B-row batch: losses, gradient norms and weights
+    ref_norms = []
+    assert_matches_reference(_hf(), init, [s[0] for s in ranks[0]["steps"]], ranks[0]["final"], data,
+                             micro_batches=2, grad_norms=ref_norms)
+    torch.testing.assert_close(torch.tensor([s[1] for s in ranks[0]["steps"]]), torch.tensor(ref_norms),
+                               rtol=1e-5, atol=0)
 
 
 # -- (b) one host store per node ------------------------------------------------------------------------------

@@ -75,3 +75,55 @@ def test_cuda_load_wait_timer_is_a_part_of_the_step():
         st = engine.stats
         assert st["h2d_loads"] > 0 and 0.0 <= st["gpu_load_wait_s"] <= st["step_s"], st
     engine.close()
+
+
+@pytest.mark.parametrize("recompute,kw", [
+    ("none", dict(gpu_resident="4")),  # every block kept, all on the GPU tier
+    ("none", dict(gpu_resident="1")),  # every block kept, host-tier layers streamed (weights by slot position)
+    ("auto", dict(gpu_resident="2", keep={1})),  # a mixed keep-set with mixed tiers
+    ("none", dict(gpu_resident="4", micro_batch_schedule="sequential")),  # one micro-batch at a time
+])
+def test_cuda_kept_activations_match_recompute_all(recompute, kw):
+    """Kept blocks on CUDA (graphs made in the forward, weights read back by slot position in the backward,
+    slots overwritten by the next loads meanwhile): the same training as recomputing every block, and as
+    plain PyTorch (fp32, TF32 off)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    spec = PRESETS["tiny-llama"]
+    hf = spec.to_hf_config("sdpa")
+    data = [synthetic_batch(spec.vocab_size, 4, 64, 0, s) for s in range(5)]
+    kw = dict(kw)
+    keep = kw.pop("keep", None)
+    runs = {}
+    for mode in ("all", recompute):
+        cfg = EngineConfig(device="cuda", compute_dtype="fp32", micro_batches=2, optim=OPTIM, seed=0, num_slots=2,
+                           checkpoint_interval=2, attn_implementation="sdpa", recompute=mode, **kw)
+        engine = MegaTrain.from_config(hf, cfg, verbose=False, keep=keep if mode != "all" else None,
+                                       tokens_per_step=4 * 64, seq_len=64)
+        assert engine.info["blocks_kept"] == (0 if mode == "all" else len(keep) if keep else 2)
+        init = {k: v.clone() for k, v in engine.state_dict().items()}
+        losses = [engine.step(b).loss for b in data]
+        runs[mode] = (init, losses, {k: v.clone() for k, v in engine.state_dict().items()})
+        engine.close()
+    init, losses, final = runs[recompute]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(runs["all"][1]), rtol=1e-5, atol=0)
+    ref_losses, ref_state = reference_train(reference_model(hf, init), data, OPTIM, 2)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
+    for name, value in final.items():
+        rel = float((value - ref_state[name]).norm() / ref_state[name].norm())
+        assert rel < 1e-4, (name, rel)
+
+
+def test_cuda_auto_keeps_what_the_plan_says_and_reports_it():
+    """recompute="auto" on a GPU with room: the tiny model keeps every block, and the step and the memory
+    stats report the plan's choice and prediction beside the step's own time."""
+    spec = PRESETS["tiny-qwen2"]
+    engine = MegaTrain.from_config(spec.to_hf_config("sdpa"), EngineConfig(device="cuda", optim=OPTIM),
+                                   verbose=False, tokens_per_step=8 * 128, seq_len=128)
+    assert engine.info["blocks_kept"] == engine.info["blocks"] and engine.info["predicted_step_s"] > 0
+    for s in range(2):
+        engine.step(synthetic_batch(spec.vocab_size, 8, 128, 1, s))
+    assert engine.stats["predicted_step_s"] == engine.info["predicted_step_s"] and engine.stats["blocks_kept"] > 0
+    extra = engine.memory().extra
+    assert extra["recompute_blocks"] == engine.info["recompute_blocks"]
+    engine.close()

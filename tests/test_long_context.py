@@ -12,7 +12,7 @@ from megatrain.chunked_mlp import AUTO_CHUNK_TOKENS, AUTO_MIN_TOKENS, resolve_ch
 from megatrain.spec import with_positions
 from megatrain.data import synthetic_batch
 
-from test_engine_parity import RTOL, assert_parity, batches, engine_cfg, run_engine
+from test_engine_parity import RTOL, assert_matches_reference, assert_parity, batches, engine_cfg, run_engine
 
 
 @pytest.mark.parametrize("preset,chunk,interval", [
@@ -88,15 +88,17 @@ def test_with_positions_keeps_scaled_rope_anchored():
 
 def test_engine_override_allows_longer_sequences():
     spec = PRESETS["tiny-llama"]  # 512 positions
-    batch = synthetic_batch(spec.vocab_size, 1, 600, 0, 0)
-    engine = MegaTrain.from_config(spec.to_hf_config("sdpa"), EngineConfig(device="cpu"), verbose=False)
+    hf = spec.to_hf_config("sdpa")
+    data = [synthetic_batch(spec.vocab_size, 1, 600, 0, s) for s in range(3)]
+    engine = MegaTrain.from_config(hf, EngineConfig(device="cpu"), verbose=False)
     with pytest.raises(ValueError, match="max_position_embeddings=600"):  # the error names the knob
-        engine.step(batch)
+        engine.step(data[0])
     engine.close()
-    engine = MegaTrain.from_config(spec.to_hf_config("sdpa"),
-                                   EngineConfig(device="cpu", max_position_embeddings=1024, mlp_chunk_tokens=256),
-                                   verbose=False)
+    # 600 positions past the preset's 512, MLP chunks of 256 (the last one short): the
+    # same training as plain PyTorch on the HF model with max_position_embeddings=1024 (fp32, 1e-5)
+    cfg = engine_cfg(max_position_embeddings=1024, mlp_chunk_tokens=256, checkpoint_interval=2, micro_batches=1)
+    engine = MegaTrain.from_config(hf, cfg, verbose=False)
     assert engine.config.max_position_embeddings == 1024
-    loss = engine.step(batch).loss
-    assert loss == loss and loss > 0
     engine.close()
+    init, losses, final = run_engine(hf, cfg, data)
+    assert_matches_reference(with_positions(hf, 1024), init, losses, final, data, micro_batches=1)

@@ -6,16 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain import EngineConfig, PRESETS, boundaries
+from megatrain import EngineConfig, PRESETS
 from megatrain.boundaries import GpuBoundaries, HostBoundaries, HostBuffers, make_boundaries
 from megatrain.streams import StreamSet
 
-from test_engine_parity import batches, engine_cfg, run_engine
+from test_engine_parity import assert_matches_reference, batches, engine_cfg, run_engine
 
 
 @pytest.mark.parametrize("interval,mb,chunk", [(1, 2, -1), (2, 2, 7), (0, 1, -1)])
 def test_offload_on_vs_off_identical(interval, mb, chunk):
-    """Same losses and weights, bit for bit, with boundaries on the device or offloaded."""
+    """Same losses and weights, bit for bit, with boundaries on the device or offloaded; both match plain
+    PyTorch (losses and weights at 1e-5, fp32)."""
     spec = PRESETS["tiny-llama"]
     hf, data = spec.to_hf_config("sdpa"), batches(spec, steps=3)
     kw = dict(checkpoint_interval=interval, micro_batches=mb, mlp_chunk_tokens=chunk)
@@ -25,6 +26,7 @@ def test_offload_on_vs_off_identical(interval, mb, chunk):
     for name in final_a:
         assert torch.equal(init_a[name], init_b[name])
         assert torch.equal(final_a[name], final_b[name]), name
+    assert_matches_reference(hf, init_b, losses_b, final_b, data, micro_batches=mb)
 
 
 def _store(total, on_gpu, buffers=None):
@@ -70,32 +72,23 @@ def test_host_buffers_are_reused_across_steps():
     assert buffers.nbytes() == 0
 
 
-class _FakeCudaStreams(StreamSet):
-    def __init__(self):
-        super().__init__(torch.device("cpu"))
-        self.device = torch.device("cuda")
-
-
-def test_make_boundaries_rule(monkeypatch):
+def test_make_boundaries_follows_the_plan():
+    """The store is what the plan decided (Placement.boundaries_on_gpu): None -> all on the device; g -> the
+    first total - g offloaded. No second decision at step time."""
     hf = PRESETS["tiny-llama"].to_hf_config("sdpa")  # 4 layers, hidden 64
-    tokens, per = [32, 32], 32 * 64 * 4
-    need = 4 * 2 * per  # K = 1: 4 boundaries x 2 micro-batches
-    kw = dict(model_config=hf, block=1, dtype=torch.float32, tokens=tokens, host=HostBuffers(pin=False))
+    kw = dict(model_config=hf, block=1, dtype=torch.float32, tokens=[32, 32], host=HostBuffers(pin=False))
     cpu = StreamSet(torch.device("cpu"))
-    assert isinstance(make_boundaries(EngineConfig(boundary_offload="gpu"), cpu, **kw), GpuBoundaries)
-    assert isinstance(make_boundaries(EngineConfig(boundary_offload="auto"), cpu, **kw), GpuBoundaries)
-    host = make_boundaries(EngineConfig(boundary_offload="host"), cpu, **kw)
+    assert isinstance(make_boundaries(EngineConfig(), cpu, on_gpu=None, total=8, **kw), GpuBoundaries)
+    assert isinstance(make_boundaries(EngineConfig(), cpu, on_gpu=8, total=8, **kw), GpuBoundaries)
+    host = make_boundaries(EngineConfig(boundary_offload="host"), cpu, on_gpu=0, total=8, **kw)
     assert isinstance(host, HostBoundaries) and host._to_host == 8
-    # auto on CUDA: everything on the GPU while it fits; beyond, spill what does not fit (less two in flight)
-    monkeypatch.setattr(boundaries, "_gpu_budget", lambda *a: need)
-    assert isinstance(make_boundaries(EngineConfig(), _FakeCudaStreams(), **kw), GpuBoundaries)
-    monkeypatch.setattr(boundaries, "_gpu_budget", lambda *a: need - 1)
-    spill = make_boundaries(EngineConfig(), _FakeCudaStreams(), **kw)
-    assert isinstance(spill, HostBoundaries) and spill._to_host == 8 - 5  # (need - 1 - 2 per) // per = 5 stay
+    spill = make_boundaries(EngineConfig(), cpu, on_gpu=5, total=8, **kw)
+    assert isinstance(spill, HostBoundaries) and spill._to_host == 3
 
 
 def test_refused_with_numbers_when_the_host_cannot_hold_them():
     hf = PRESETS["tiny-llama"].to_hf_config("sdpa")
     with pytest.raises(MemoryError, match="GiB of host memory"):
         make_boundaries(EngineConfig(boundary_offload="host", host_margin_gib=1e9), StreamSet(torch.device("cpu")),
-                        model_config=hf, block=1, dtype=torch.float32, tokens=[64], host=HostBuffers(pin=False))
+                        model_config=hf, block=1, dtype=torch.float32, tokens=[64], host=HostBuffers(pin=False),
+                        on_gpu=0, total=4)

@@ -165,7 +165,7 @@ def _spy_boundaries(monkeypatch):
     seen, real = [], engine_mod.make_boundaries
 
     def make_boundaries(*a, **kw):
-        seen.append(kw["mlp_chunk_tokens"])
+        seen.append(kw["on_gpu"])  # the plan's boundary decision (no second one at step time)
         return real(*a, **kw)
 
     monkeypatch.setattr(engine_mod, "make_boundaries", make_boundaries)
@@ -174,7 +174,7 @@ def _spy_boundaries(monkeypatch):
 
 def test_engine_runs_the_plans_chunk_and_falls_back_above_the_plan(monkeypatch):
     """Config: never chunk. Plan: chunks of 5. A step within the plan's tokens runs 5 (forward and
-    recompute, and the boundary budget is sized with it); a longer one falls back to the config's -1."""
+    recompute; the boundaries are where the plan put them); a longer one falls back to the config's -1."""
     _plan_says(monkeypatch, 5)
     seen, budget = _spy_run_layer(monkeypatch), _spy_boundaries(monkeypatch)
     spec = PRESETS["tiny-llama"]
@@ -183,11 +183,11 @@ def test_engine_runs_the_plans_chunk_and_falls_back_above_the_plan(monkeypatch):
     assert engine.placement.mlp_chunk_tokens == 5 and engine.memory().extra["mlp_chunk_tokens"] == 5
     engine.step(batches(spec, steps=1, bsz=4, seq=16)[0])
     calls = 2 * spec.num_layers * 2  # forward + recompute, per micro-batch, per layer
-    assert seen == [5] * calls and budget == [5]
+    assert seen == [5] * calls and budget == [None]
     seen.clear()
     with pytest.warns(RuntimeWarning, match="placement plan was made for 32"):
         engine.step(batches(spec, steps=1, bsz=4, seq=32)[0])  # 64 tokens per micro-batch
-    assert seen == [-1] * calls and budget == [5, -1]
+    assert seen == [-1] * calls and budget == [None, None]
     engine.close()
 
 

@@ -17,7 +17,7 @@ from experiments import sweeps  # noqa: E402
 
 CONF = ROOT / "experiments" / "conf"
 SWEEPS = ("smoke", "baselines", "size", "depth", "width", "context", "hardware", "ablation", "tokens",
-          "baselines_tune", "host_side")
+          "baselines_tune", "host_side", "activations", "update_path", "baselines2026", "accuracy_sft")
 GIB = 2**30
 
 

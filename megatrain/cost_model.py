@@ -1,0 +1,175 @@
+"""The step-time model: one step's predicted time, and its parts, from measured rates.
+
+One model for every choice the planner makes (megatrain/placement.py): which groups live on the GPU tier,
+which checkpoint blocks keep their activations instead of recomputing them, and (later) which host-tier
+groups are updated through the GPU. The plan predicts a step for each candidate and keeps the fastest that
+fits; the engine prints the prediction and reports it beside the measured step (``MegaTrain.info``), so the
+model stays honest.
+
+    rates = Rates()                                   # H200 defaults; measured values override them
+    p = predict(StepLoad(...), rates)                 # -> Prediction(step_s, parts)
+    print(p.describe())                               # "step 0.82 s = forward 0.21 + loss 0.05 + ..."
+
+The model (clipping firing every step, the regime every sweep row measures; see DESIGN.md):
+
+    forward    sum over layers of max(F, load)          F: a layer's forward at the step's tokens,
+                                                        load: its weights over the host link (host tier)
+                                                        or a cast into its slot (GPU tier); with n passes
+                                                        (micro_batch_schedule="sequential") n max(F/n, load)
+    loss       6 V h T / rate                           final norm + head + cross-entropy, fwd + bwd
+    backward   sum over layers of max(B + R, load)      B: backward, R: recompute (0 where the block is kept);
+                                                        every layer is loaded again for its backward, kept
+                                                        ones too (their weights are not held from the forward)
+    host update  P_host / cpu rate                      the host AdamW after the norm, overlapping the next
+                                                        forward: what the forward does not cover is exposed,
+                                                        max(0, host update - forward)
+    GPU update   P_gpu / device rate                    fused AdamW on the device, serial after the backward
+    step = forward + exposed host update + loss + backward + GPU update
+
+F, R, B come from FLOPs at ``gpu_tflops`` (forward 2 P T + 4 h s T, recompute the same, backward twice it)
+unless measured per-layer times are given. With ``speculate`` (clipping not firing) the host update runs
+during the backward instead: exposed = max(0, host update - backward).
+
+Adding a term (e.g. a GPU update path for host-tier groups): give ``StepLoad`` the field the plan decides
+(how many host-tier parameters take that path), ``Rates`` the measured rate it runs at, and ``predict`` the
+term under its own name in ``parts`` and in the step's sum; the planner then weighs it with the rest.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+GB = 1e9
+
+# Measured on the H200 node (/work/shared/reference/h200_limits.json, 2026-11-30; DESIGN.md, 2026-12-02).
+H200_H2D_GBPS = 55.3  # pinned host -> GPU, one direction alone
+H200_D2H_GBPS = 55.2
+H200_CPU_ADAMW_GPARAMS = 4.20  # fused AdamW on 16 cores, alone
+H200_CPU_ADAMW_UNDER_COPY_GPARAMS = 2.72  # the same with pinned H2D + D2H copies running (46 GB/s each way)
+# A decoder layer's achieved bf16 rate grows with its width. Engine steps on the H200 (b765233, every block
+# recomputed, clipping firing) reported 327 TFLOPS for the 3B shape (h 2048) at 16x1024 and 374 for 7B
+# (h 3584) at 8x1024, 398 for 14B (h 5120) at 96x1024; x 8/6 for the recompute the reported figure does not
+# count, less the loss and update: ~440, ~540, ~530 achieved. (A lone 7B layer at 16K tokens ran at 620.7,
+# h200_limits.json.) Piecewise linear in h between the measurements, flat outside them.
+H200_LAYER_TFLOPS = ((2048, 440.0), (3584, 540.0), (5120, 530.0))
+# Fused AdamW on the device is memory bound: ~26 B/param (fp32 p, m, v read and written + the gradient) at
+# ~2.6 TB/s of the H200's HBM (not measured on its own; milliseconds per billion parameters either way).
+H200_GPU_ADAMW_GPARAMS = 100.0
+# A GPU-tier layer's "load" is a cast of its fp32 master into a slot on the device: 4 B read + c written per
+# parameter. Not measured; half the H200's 4.8 TB/s HBM peak.
+H200_GPU_CAST_GBPS = 2400.0
+
+
+def layer_tflops(hidden: int, table=H200_LAYER_TFLOPS) -> float:
+    """Achieved TFLOPS of a decoder layer of width ``hidden`` (interpolated in the measured table)."""
+    if hidden <= table[0][0]:
+        return table[0][1]
+    for (h0, r0), (h1, r1) in zip(table, table[1:]):
+        if hidden <= h1:
+            return r0 + (r1 - r0) * (hidden - h0) / (h1 - h0)
+    return table[-1][1]
+
+
+@dataclass
+class Rates:
+    """Measured rates the model runs on (defaults: the H200 node). ``None`` for a per-layer time means
+    "from FLOPs at ``gpu_tflops``" (None there: ``layer_tflops`` of the model's width)."""
+
+    gpu_tflops: float | None = None  # achieved rate of a decoder layer's forward/recompute/backward
+    layer_forward_s: float | None = None  # measured GPU time of one layer's forward at the planned tokens
+    layer_recompute_s: float | None = None  # ... its recompute (a forward with autograd)
+    layer_backward_s: float | None = None  # ... its backward (weight and input gradients)
+    h2d_gbps: float = H200_H2D_GBPS
+    d2h_gbps: float = H200_D2H_GBPS
+    cpu_adamw_gparams: float = H200_CPU_ADAMW_GPARAMS  # host AdamW alone
+    cpu_adamw_under_copy_gparams: float = H200_CPU_ADAMW_UNDER_COPY_GPARAMS  # while weights stream over PCIe
+    gpu_adamw_gparams: float = H200_GPU_ADAMW_GPARAMS
+    gpu_cast_gbps: float = H200_GPU_CAST_GBPS  # bytes read + written per second by a slot cast (GPU tier)
+    gpu_bytes: int | None = None  # GPU memory (for reports; the plan takes its budget from the device)
+    host_bytes: int | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class StepLoad:
+    """What a plan makes one step do, as the model needs it (built by ``placement.step_load``)."""
+
+    tokens: int  # tokens per step (all micro-batches)
+    seq_len: int  # tokens per sequence (attention FLOPs)
+    hidden: int
+    vocab: int
+    layer_params: list[int]  # per decoder layer
+    layer_on_gpu: list[bool]  # GPU tier (no host link traffic, device update)
+    layer_kept: list[bool]  # activations kept from forward to backward: no recompute
+    other_params_gpu: int = 0  # embedding / final norm + head on the GPU tier
+    other_params_host: int = 0  # ... on the host tier
+    stream_bytes: int = 4  # bytes per parameter a host-tier layer's load moves (fp32 master 4, bf16 shadow 2)
+    grad_bytes: int = 2  # bytes per parameter a host-tier gradient moves to the host
+    speculate: bool = False  # clipping not expected: the host update runs during the backward
+    passes: int = 1  # passes over the layers per step (micro_batch_schedule="sequential": one per micro-batch)
+    compute_bytes: int = 2  # bytes of a slot's weights per parameter (a GPU-tier layer's cast writes them)
+
+    @property
+    def params_gpu(self) -> int:
+        return self.other_params_gpu + sum(p for p, g in zip(self.layer_params, self.layer_on_gpu) if g)
+
+    @property
+    def params_host(self) -> int:
+        return self.other_params_host + sum(p for p, g in zip(self.layer_params, self.layer_on_gpu) if not g)
+
+
+@dataclass
+class Prediction:
+    """A predicted step: its time and the parts it is made of (seconds)."""
+
+    step_s: float
+    parts: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        p = self.parts
+        return (f"predicted step {self.step_s:.3f} s = forward {p['forward_s']:.3f} + exposed host update "
+                f"{p['host_update_exposed_s']:.3f} + loss {p['loss_s']:.3f} + backward {p['backward_s']:.3f} "
+                f"(recompute {p['recompute_s']:.3f}) + GPU update {p['gpu_update_s']:.3f}; host update "
+                f"{p['host_update_s']:.3f}, weights in {p['h2d_s']:.3f}, gradients out {p['d2h_s']:.3f}")
+
+
+def layer_times(load: StepLoad, rates: Rates, params: int) -> tuple[float, float, float]:
+    """(forward, recompute, backward) GPU seconds of one layer with ``params`` parameters."""
+    tflops = rates.gpu_tflops or layer_tflops(load.hidden)
+    fwd_flops = 2 * params * load.tokens + 4 * load.hidden * load.seq_len * load.tokens
+    f = rates.layer_forward_s if rates.layer_forward_s is not None else fwd_flops / (tflops * 1e12)
+    r = rates.layer_recompute_s if rates.layer_recompute_s is not None else f
+    b = rates.layer_backward_s if rates.layer_backward_s is not None else 2 * fwd_flops / (tflops * 1e12)
+    return f, r, b
+
+
+def predict(load: StepLoad, rates: Rates | None = None) -> Prediction:
+    """The step time of ``load`` at ``rates`` (the model in the module doc)."""
+    rates = rates or Rates()
+    fwd = bwd = recompute = h2d = 0.0
+    n = max(1, load.passes)
+    for params, on_gpu, kept in zip(load.layer_params, load.layer_on_gpu, load.layer_kept):
+        f, r, b = layer_times(load, rates, params)
+        if on_gpu:  # a cast on the device
+            move = params * (4 + load.compute_bytes) / (rates.gpu_cast_gbps * GB)
+        else:
+            move = params * load.stream_bytes / (rates.h2d_gbps * GB)
+            h2d += 2 * n * move  # forward and backward: a kept layer is loaded again for its backward
+        r = 0.0 if kept else r
+        recompute += r
+        # each pass computes 1/n of the tokens; its loads are prefetched behind the layer before
+        fwd += n * max(f / n, move)
+        bwd += n * max((b + r) / n, move)
+    # embedding / head on the host tier: one load per step (resident compute copies)
+    h2d += load.other_params_host * 4 / (rates.h2d_gbps * GB)
+    d2h = load.params_host * load.grad_bytes / (rates.d2h_gbps * GB)
+    loss = 6 * load.vocab * load.hidden * load.tokens / ((rates.gpu_tflops or layer_tflops(load.hidden)) * 1e12)
+    host_rate = rates.cpu_adamw_under_copy_gparams if any(not g for g in load.layer_on_gpu) else rates.cpu_adamw_gparams
+    host_update = load.params_host / (host_rate * GB)
+    gpu_update = load.params_gpu / (rates.gpu_adamw_gparams * GB)
+    covered = bwd if load.speculate else fwd
+    exposed = max(0.0, host_update - covered)
+    parts = dict(forward_s=fwd, loss_s=loss, backward_s=bwd, recompute_s=recompute, host_update_s=host_update,
+                 host_update_exposed_s=exposed, gpu_update_s=gpu_update, h2d_s=h2d, d2h_s=d2h)
+    return Prediction(step_s=fwd + exposed + loss + bwd + gpu_update, parts=parts)

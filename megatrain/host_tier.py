@@ -1,0 +1,205 @@
+"""The host tier's optimizer: the CPU kernel and the GPU update path sharing the host-tier groups.
+
+``HybridHostAdamW`` sits behind the ``GroupOptimizer`` interface (megatrain/optim.py): it routes each group,
+per step, to the CPU kernel (megatrain/host_adamw.py, which runs in its worker thread meanwhile) or to the
+GPU update path (``StreamedAdamW``, megatrain/streamed_update.py), by a split from megatrain/update_split.py
+(one for steps that speculate, one for steps that wait for the norm), and sends each group's next load to
+the path that last updated it. With ``update_path="cpu"`` every group goes to the CPU kernel, as before.
+``build_host_tier`` makes it from an EngineConfig.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import update_split
+from .store import ModelStore
+from .streamed_update import GIB, MIN_CHUNK_ELEMS, StreamedAdamW, rotating_bytes, staging_chunk
+from .streams import StreamSet
+from .update_split import Split, UpdateRates, forced_split, measure_rates, plan_split
+
+
+class HybridHostAdamW:
+    """The host tier's optimizer: the CPU kernel (``cpu``, a HostAdamW) and, when given, the GPU update path
+    (``gpu``, a StreamedAdamW) sharing the host-tier groups per ``splits`` ({speculating: Split})."""
+
+    def __init__(self, cpu, gpu: StreamedAdamW | None = None, splits: dict[bool, Split] | None = None,
+                 rates: UpdateRates | None = None, replan=None, choose_prefetch=None):
+        """``replan(backward_s, prefetched)``: both splits ({speculating: Split}) for a measured backward time
+        (a speculative CPU path's head start) and the prefetched groups; until a backward is observed,
+        ``splits``. ``choose_prefetch(backward_s)``: the groups to prefetch (gpu_path_prefetch), decided
+        once, after the first step."""
+        self.cpu, self.gpu = cpu, gpu
+        self.names = list(cpu.names)
+        self.splits = dict(splits or {})
+        self.rates = rates
+        self._replan, self._choose_prefetch = replan, choose_prefetch
+        self.prefetched: list[str] | None = None  # decided after the first step (None: not yet / not asked)
+        self.backward_s: float | None = None  # running estimate of the backward's time (observe_step)
+        self._gpu_set: set[str] = set()  # this step's GPU-path groups
+        self._last_gpu: set[str] = set()  # GPU-path groups of the last finished step (their loads wait there)
+        self.cpu_groups = 0  # cumulative counts of routed groups (the engine reports per-step differences)
+        self.gpu_path_groups = 0
+
+    # Counters the engine reads (the CPU path's, as before).
+    @property
+    def wait_s(self) -> float:
+        return self.cpu.wait_s
+
+    @property
+    def busy_s(self) -> float:
+        return self.cpu.busy_s
+
+    @property
+    def early_groups(self) -> int:
+        return self.cpu.early_groups
+
+    @property
+    def rollbacks(self) -> int:
+        return self.cpu.rollbacks
+
+    def counters(self) -> dict[str, float]:
+        busy, wait = self.gpu.settle() if self.gpu is not None else (0.0, 0.0)
+        return dict(cpu_groups=self.cpu_groups, gpu_path_groups=self.gpu_path_groups, gpu_path_busy_s=busy,
+                    gpu_path_wait_s=wait)
+
+    def observe_step(self, stats: dict) -> None:
+        """After a step: its backward time sets how long a speculative CPU path runs before the norm, so the
+        speculative split is planned again from it (an average over steps)."""
+        bwd = stats.get("backward_s")
+        if self.gpu is None or bwd is None or not math.isfinite(bwd):
+            return
+        self.backward_s = bwd if self.backward_s is None else 0.5 * (self.backward_s + bwd)
+        if self._choose_prefetch is not None and self.prefetched is None:
+            # Once: the backward's length bounds how much state can go up during it (buffers are allocated now).
+            self.prefetched = self.gpu.set_prefetch(self._choose_prefetch(self.backward_s))
+        if self._replan is not None:
+            self.splits.update(self._replan(self.backward_s, frozenset(self.prefetched or ())))
+
+    def split_for(self, speculate: bool) -> Split:
+        return self.splits.get(speculate) or Split([], list(self.names))
+
+    # -- GroupOptimizer -------------------------------------------------------------------------------
+    def begin_step(self, step: int, speculate: bool) -> None:
+        split = self.split_for(speculate) if self.gpu is not None else Split([], list(self.names))
+        self._gpu_set = set(split.gpu)
+        self.cpu.begin_step(step, speculate)  # the CPU path speculates on its own groups only
+        if self.gpu is not None:
+            self.gpu.begin_step(step, False)
+
+    def grad_ready(self, name: str, flat: torch.Tensor, sqnorm: torch.Tensor, ready) -> None:
+        if name in self._gpu_set:
+            self.gpu_path_groups += 1
+            self.gpu.grad_ready(name, flat, sqnorm, ready)
+            return
+        self.cpu_groups += 1
+        if name in self._last_gpu:
+            # Last updated on the GPU path: its download must have landed before the CPU reads host state
+            # (long done by now, during this step's backward; a host wait only as a guarantee).
+            self.gpu.host_ready(name)
+        self.cpu.grad_ready(name, flat, sqnorm, ready)
+
+    def finish(self, step: int, coef: float | None) -> None:
+        if self.gpu is not None:
+            self.gpu.finish(step, coef)  # queued on the GPU first: its copies start at once
+        self.cpu.finish(step, coef)
+        if coef is not None:  # a skipped step changed nothing: each group's last path stays as it was
+            self._last_gpu = set(self._gpu_set)
+
+    def wait_group(self, name: str):
+        if name in self._last_gpu:
+            return self.gpu.wait_group(name)
+        return self.cpu.wait_group(name)
+
+    def device_source(self, name: str) -> torch.Tensor | None:
+        if self.gpu is not None and name in self._last_gpu:
+            return self.gpu.device_source(name)
+        return None
+
+    def wait_all(self) -> None:
+        self.cpu.wait_all()
+        if self.gpu is not None:
+            self.gpu.wait_all()
+
+    def close(self) -> None:
+        try:
+            if self.gpu is not None:
+                self.gpu.close()
+        finally:
+            self.cpu.close()
+
+    def summary(self) -> str:
+        if self.gpu is None:
+            return "host update: CPU kernel only"
+        parts = []
+        for spec, label in ((False, "after the norm"), (True, "speculative")):
+            sp = self.split_for(spec)
+            parts.append(f"{label}: {len(sp.gpu)} of {len(self.names)} groups on the GPU path"
+                         + (f", predicted {sp.predicted_s:.3f} s vs CPU only {sp.predicted_cpu_only_s:.3f} s"
+                            if sp.predicted_cpu_only_s else "") + (f" ({sp.reason})" if sp.reason else ""))
+        rates = f"; rates {self.rates.to_dict()}" if self.rates is not None else ""
+        pre = "" if self.prefetched is None else f", {len(self.prefetched)} prefetched during the backward"
+        return (f"host update: CPU kernel + GPU path (staging {self.gpu.staging_bytes / GIB:.2f} GiB, "
+                f"{len(self.gpu.kept)} kept masters{pre}); " + "; ".join(parts) + rates)
+
+
+def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host_names: list[str],
+                    grads_on_host: bool, staging_bytes: float, dist=None) -> HybridHostAdamW:
+    """The host tier's optimizer for ``cfg`` (an EngineConfig): ``cpu_opt`` alone (update_path="cpu"), or with
+    the GPU path, its split forced (``gpu_path_groups`` names) or planned from measured rates ("auto").
+    ``staging_bytes``: GPU memory the path may hold (rotating buffers + kept masters)."""
+    if cfg.update_path == "cpu" or not host_names:
+        return HybridHostAdamW(cpu_opt)
+    if dist is not None:
+        raise ValueError("update_path='hybrid' is not supported with data parallel training (use 'cpu')")
+    numels = {x: store.by_name[x].numel for x in host_names}
+    chunk = staging_chunk(max(numels.values()), staging_bytes, grads_on_host)
+    if chunk == 0:
+        raise ValueError(f"update_path='hybrid': {staging_bytes / GIB:.2f} GiB of GPU staging is less than the GPU "
+                         f"path needs ({rotating_bytes(MIN_CHUNK_ELEMS, grads_on_host) / GIB:.2f} GiB): raise "
+                         f"update_staging_gib")
+    rates, replan, choose = None, None, None
+    order = [(x, numels[x]) for x in host_names]
+    c = 4 if store.shadow is None else 2
+    if cfg.gpu_path_groups != "auto":
+        forced = [x.strip() for x in cfg.gpu_path_groups.split(",") if x.strip()]
+        split = forced_split(host_names, forced)
+        splits = {False: split, True: split}
+        candidates = split.gpu
+        if cfg.gpu_path_prefetch:  # the forced groups only, the model's amount
+            rates = UpdateRates()
+            forced_order = [(x, numels[x]) for x in split.gpu]
+            choose = lambda bwd: update_split.prefetch_set(  # noqa: E731
+                forced_order, rates, backward_s=bwd, load_bytes=c * sum(numels.values()),
+                budget_bytes=staging_bytes - rotating_bytes(chunk, grads_on_host))
+    else:
+        rates = measure_rates(streams.device, cpu_opt.kernel) if streams.cuda else UpdateRates()
+        # Kept masters (no second load) when the staging left after the chunks holds them all; otherwise
+        # the model counts the forward's load of a GPU-path group too.
+        kept_all = staging_bytes - rotating_bytes(chunk, grads_on_host) >= 4 * sum(numels.values())
+        kw = dict(stream_bytes=c, grad_bytes=0 if grads_on_host else 2, grad_up_bytes=4 if grads_on_host else 0,
+                  gpu_load_bytes=0 if (kept_all and store.shadow is None) else c)
+        # Speculative steps: the GPU path's prefix shrinks as the CPU's head start (the backward) grows; the
+        # longest one (no head start) bounds which groups it may ever take. Until a backward is measured,
+        # a speculative step keeps the CPU path alone (it is what ran before: never slower).
+        longest = len(plan_split(order, rates, speculative=True, backward_s=0.0, **kw).gpu)
+        splits = {False: plan_split(order, rates, **kw), True: Split([], list(host_names), reason="no backward measured yet")}
+
+        def replan(backward_s: float, prefetched: frozenset) -> dict:
+            return {False: plan_split(order, rates, prefetched=prefetched, **kw),
+                    True: plan_split(order, rates, speculative=True, backward_s=backward_s, max_gpu_groups=longest,
+                                     prefetched=prefetched, **kw)}
+
+        candidates = [x for x in host_names if x in set(splits[False].gpu) | set(host_names[:longest])]
+        if cfg.gpu_path_prefetch:
+            candidates = list(host_names)  # any group may be prefetched (its m, v are pinned for it)
+            choose = lambda bwd: update_split.prefetch_set(  # noqa: E731
+                order, rates, backward_s=bwd, load_bytes=c * sum(numels.values()),
+                budget_bytes=staging_bytes - rotating_bytes(chunk, grads_on_host))
+    kept_budget = max(0.0, staging_bytes - rotating_bytes(chunk, grads_on_host))
+    if not candidates:
+        return HybridHostAdamW(cpu_opt, None, splits, rates)
+    gpu = StreamedAdamW(store, cfg.optim, candidates, streams, chunk=chunk, kept_budget=kept_budget,
+                        pin=streams.cuda and cfg.pin_memory, prefetch=cfg.gpu_path_prefetch)
+    return HybridHostAdamW(cpu_opt, gpu, splits, rates, replan, choose)

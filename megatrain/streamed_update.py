@@ -1,0 +1,339 @@
+"""The host tier's second update path: state streamed through the GPU, beside the CPU kernel.
+
+``StreamedAdamW`` updates a host-tier group on the GPU once the step's global norm is known: its fp32
+master, m and v go up on an upload stream, the fused AdamW (the GPU tier's kernel, ``optim.adamw_``) runs
+on an update stream with the step's clip coefficient, and master, m, v go back on a download stream into
+the (pinned) host store, in chunks through two rotating buffers. The updated master stays on the GPU in a
+*kept* buffer when the staging budget allows, and the next forward casts it into its slot from there
+(``device_source``: no second load); otherwise the forward loads the group from host RAM once the
+download has landed. The gradient is used where it waits (on the GPU; uploaded first with
+grad_placement="host"). With prefetch, a group's state goes up during the backward instead.
+
+The host tier's optimizer that shares the groups between this path and the CPU kernel is
+``HybridHostAdamW`` (megatrain/host_tier.py).
+
+Streams (CUDA): the copies and the update run on streams of their own, so they queue neither behind
+the next forward's weight loads (engine H2D stream), nor the CPU path's gradient copies (engine D2H stream),
+nor its compute. Ordering, per chunk: upload waits for the rotating buffer's previous download and for
+the group's own previous download; update waits for the upload and the gradient; download waits for the
+update. A load of the group waits (on the engine's H2D stream) for the update when it reads the kept
+master, for the download otherwise. On a CPU run every stream is a no-op and the same code runs in order.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .optim import adamw_
+from .pinning import pin_in_place, unpin
+from .store import ModelStore
+from .streams import StreamSet, WaitTimer
+from .system import OptimConfig
+
+ROTATING = 2  # staging buffers (p, m, v chunks) in flight: one chunk uploads while the previous one downloads
+CHUNK_ELEMS = 1 << 25  # 32M elements per chunk: 384 MiB of p, m, v per buffer; AdamW is elementwise
+MIN_CHUNK_ELEMS = 1 << 20
+GIB = 2**30
+
+
+class _TimedWait:
+    """An event whose ``wait(stream)`` is timed (torch's ``Stream.wait_event(e)`` calls ``e.wait(stream)``),
+    so the GPU time a load spends waiting for this path is counted (``gpu_path_wait_s``)."""
+
+    def __init__(self, event, timer: WaitTimer):
+        self.event, self.timer = event, timer
+
+    def wait(self, stream=None) -> None:
+        self.timer.wait(stream, self.event)
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+    def query(self) -> bool:
+        return self.event.query()
+
+
+def rotating_bytes(chunk: int, grads_on_host: bool) -> int:
+    """GPU bytes of the rotating buffers (p, m, v chunks) plus one chunk's fp32 gradient (widened, or
+    uploaded from host RAM and widened)."""
+    return (ROTATING * 12 + 4 + (4 if grads_on_host else 0)) * chunk
+
+
+def staging_chunk(largest: int, budget_bytes: float, grads_on_host: bool, chunk: int | None = None) -> int:
+    """The chunk (elements) the staging budget affords: ``chunk`` (default ``CHUNK_ELEMS``), or less by
+    halves, never more than the largest group; 0 when not even ``MIN_CHUNK_ELEMS`` fits."""
+    c = min(chunk or CHUNK_ELEMS, largest)
+    while c > MIN_CHUNK_ELEMS and rotating_bytes(c, grads_on_host) > budget_bytes:
+        c //= 2
+    return c if rotating_bytes(c, grads_on_host) <= budget_bytes else 0
+
+
+class StreamedAdamW:
+    """GPU update path for host-tier groups (see module doc). ``names``: every group it may update (forward
+    order); each group streams through the rotating buffers in chunks of ``chunk`` elements (AdamW is
+    elementwise: the same arithmetic as one call); ``kept_budget``: bytes of GPU memory for kept masters
+    (4 B/param), given to groups in forward order."""
+
+    def __init__(self, store: ModelStore, cfg: OptimConfig, names: list[str], streams: StreamSet, *,
+                 chunk: int, kept_budget: float, pin: bool, prefetch: bool = False):
+        self.store, self.cfg, self.names, self.streams = store, cfg, list(names), streams
+        dev = self.device = streams.device
+        cuda = streams.cuda
+        self.up = torch.cuda.Stream(dev) if cuda else streams.compute
+        self.upd = torch.cuda.Stream(dev) if cuda else streams.compute
+        self.down = torch.cuda.Stream(dev) if cuda else streams.compute
+        # Prefetched groups' downloads: their own stream, so they do not queue ahead of the chunks' downloads
+        # (which free the rotating buffers the chunk pipeline waits for).
+        self.down_full = torch.cuda.Stream(dev) if cuda else streams.compute
+        self.chunk = chunk
+        self.rot = [torch.empty(3 * chunk, dtype=torch.float32, device=dev) for _ in range(ROTATING if names else 0)]
+        self.rot_free = [None] * len(self.rot)  # event after the download that last read each buffer
+        self._next = 0  # the rotating buffer the next chunk takes
+        self.kept: dict[str, torch.Tensor] = {}
+        self.full: dict[str, torch.Tensor] = {}  # prefetched groups: p | m | v on the GPU (``set_prefetch``)
+        self.kept_budget, self.prefetch = kept_budget, prefetch
+        self._allocate(())
+        self.dev_steps = {name: torch.zeros((), dtype=torch.float32, device=dev) for name in self.names}
+        # Host state crosses PCIe asynchronously only from page-locked memory: m, v (and the master when a
+        # bf16 shadow is what the store pins for streaming) are registered here.
+        self._pinned: list[torch.Tensor] = []
+        if pin and cuda:
+            for name in self.names:
+                tables = [store.m, store.v] + ([store.master] if store.shadow is not None else [])
+                for t in tables:
+                    try:
+                        self._pinned.append(pin_in_place(t[name], f"host-tier state of {name} (GPU update path)"))
+                    except RuntimeError as exc:  # still correct from pageable memory, only slower (synchronous)
+                        warnings.warn(f"GPU update path: {exc}; its copies of {name} run from pageable memory",
+                                      RuntimeWarning)
+        self._grads: dict[str, tuple] = {}
+        self._updated: dict[str, object] = {}  # name -> event after its last update (kept master valid)
+        self._down: dict[str, object] = {}  # name -> event after its last download (host state valid)
+        self._fresh: set[str] = set()  # kept masters holding the last update, not yet read by a load
+        self._prefetched: dict[str, object] = {}  # this step's prefetched groups -> event after their upload
+        self.wait_timer = WaitTimer(streams)  # loads' GPU waits for this path
+        self._spans: list[tuple] = []  # (first upload start, last download end) timing events per step
+        self.busy_s = 0.0  # GPU time from a step's first upload to its last download (settled)
+        self.updates = 0  # groups updated on this path
+
+    def _allocate(self, full_names) -> None:
+        """Full buffers (12 B/param) for ``full_names``, then kept masters (4 B/param) for the other groups in
+        forward order, within ``kept_budget``."""
+        self.kept, self.full = {}, {}
+        # With a bf16 shadow the forward computes with the rounded master: loads read the shadow (written back
+        # with the master), so nothing is kept (a kept fp32 master would give different weights).
+        left = self.kept_budget if self.store.shadow is None else 0.0
+        for name in self.names:
+            n = self.store.by_name[name].numel
+            if name in full_names and 12 * n <= left:
+                self.full[name] = torch.empty(3 * n, dtype=torch.float32, device=self.device)
+                left -= 12 * n
+                if self.store.shadow is None:
+                    self.kept[name] = self.full[name][:n]
+        for name in self.names:
+            n = self.store.by_name[name].numel
+            if name not in self.full and 4 * n <= left:
+                self.kept[name] = torch.empty(n, dtype=torch.float32, device=self.device)
+                left -= 4 * n
+
+    def set_prefetch(self, names) -> list[str]:
+        """From now on, upload ``names``' state during the backward (as each gradient arrives); returns the
+        ones the budget holds. Called between steps (nothing of this path is in flight on its buffers then,
+        after ``wait_all``)."""
+        self.wait_all()
+        if self.streams.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.up)  # old buffers are freed after their use
+        self._fresh.clear()
+        self._allocate(set(names))
+        return [x for x in self.names if x in self.full]
+
+    @property
+    def staging_bytes(self) -> int:
+        return (sum(t.numel() * 4 for t in self.rot) + sum(t.numel() * 4 for t in self.full.values())
+                + sum(t.numel() * 4 for x, t in self.kept.items() if x not in self.full))
+
+    # -- GroupOptimizer -------------------------------------------------------------------------------
+    def begin_step(self, step: int, speculate: bool) -> None:
+        self._grads, self._prefetched = {}, {}
+
+    def grad_ready(self, name: str, flat: torch.Tensor, sqnorm: torch.Tensor, ready) -> None:
+        self._grads[name] = (flat, ready)  # consumed after the norm (this path never updates early)
+        buf = self.full.get(name)
+        if buf is None:
+            return
+        # Prefetch: the state goes up now, during the backward; only the update needs the clip coefficient.
+        # Host state is final here: the last GPU-path download is waited for below, a CPU-path update was
+        # waited for by this step's forward before it loaded the group.
+        s, st, n = self.streams, self.store, self.store.by_name[name].numel
+        self._fresh.discard(name)  # its kept master (the first third) is overwritten now
+        with s.use(self.up):
+            if s.cuda:
+                self.up.wait_stream(s.h2d)  # the forward's cast of the kept master was queued on H2D before
+            if self._down.get(name) is not None:
+                self.up.wait_event(self._down[name])
+            buf[:n].copy_(st.master[name], non_blocking=True)
+            buf[n:2 * n].copy_(st.m[name], non_blocking=True)
+            buf[2 * n:].copy_(st.v[name], non_blocking=True)
+            self._prefetched[name] = s.record(self.up)
+
+    def finish(self, step: int, coef: float | None) -> None:
+        grads, self._grads = self._grads, {}
+        prefetched, self._prefetched = self._prefetched, {}
+        self._fresh.clear()  # kept masters of the last step are either read already or stale now
+        if coef is None or not grads:  # (prefetched state is dropped: the host copy is unchanged)
+            return  # skipped step (or nothing routed here): state untouched
+        s, st, cuda = self.streams, self.store, self.streams.cuda
+        lr = self.cfg.lr_at(step)
+        if cuda:
+            # The kept masters were read by casts on the engine's H2D stream during this step: the uploads
+            # below overwrite them only after those.
+            self.up.wait_stream(s.h2d)
+        start = s.record(self.up, timing=True) if cuda else None
+        with s.use(self.upd):
+            scale = None if coef == 1.0 else torch.full((), 1.0 / coef, dtype=torch.float32, device=self.device)
+        done = None
+        for name in [x for x in self.names if x in grads]:  # the order the next forward needs them
+            flat, ready = grads.pop(name)
+            if name in prefetched:
+                self._update_prefetched(name, flat, ready, prefetched[name], lr, scale)
+                continue
+            n, kept = st.by_name[name].numel, self.kept.get(name)
+            st.steps[name].add_(1)  # host count (checkpoints read it); the kernel wants it on the device
+            with s.use(self.up):
+                if self._down.get(name) is not None:  # this group's host state is complete (last update)
+                    self.up.wait_event(self._down[name])
+                if flat.device != self.device:  # grad_placement="host": the gradient waits in host RAM
+                    self.up.wait_event(ready)  # its D2H copy has landed
+            with s.use(self.upd):
+                self.dev_steps[name].fill_(float(st.steps[name]))
+                if flat.device == self.device:
+                    self.upd.wait_event(ready)  # the gradient's kernels (compute stream) are done
+                    # Allocated on the compute stream: its memory must not be reused before this stream has
+                    # read it.
+                    s.keep_alive(flat, self.upd)
+            for a in range(0, n, self.chunk):
+                e = min(n, a + self.chunk)
+                k, b = e - a, self._next % len(self.rot)
+                self._next += 1
+                buf = self.rot[b]
+                p = kept[a:e] if kept is not None else buf[:k]
+                m, v = buf[self.chunk:self.chunk + k], buf[2 * self.chunk:2 * self.chunk + k]
+                with s.use(self.up):
+                    if self.rot_free[b] is not None:  # the buffer's previous chunk has been downloaded
+                        self.up.wait_event(self.rot_free[b])
+                    p.copy_(st.master[name][a:e], non_blocking=True)
+                    m.copy_(st.m[name][a:e], non_blocking=True)
+                    v.copy_(st.v[name][a:e], non_blocking=True)
+                    g = flat[a:e]
+                    if g.device != self.device:
+                        g = g.to(self.device, non_blocking=True)
+                        s.keep_alive(g, self.upd)  # read by the update stream
+                    uploaded = s.record(self.up)
+                with s.use(self.upd):
+                    self.upd.wait_event(uploaded)
+                    # fp32 gradients are divided by ``scale`` in place by the fused kernel (ours to consume).
+                    g32 = g if g.dtype == torch.float32 else g.float()
+                    adamw_(p, g32, m, v, self.dev_steps[name], lr, self.cfg, scale)
+                    shadow = p.to(st.shadow[name].dtype) if (st.shadow is not None and name in st.shadow) else None
+                    updated = s.record(self.upd)
+                with s.use(self.down):
+                    self.down.wait_event(updated)
+                    st.master[name][a:e].copy_(p, non_blocking=True)
+                    st.m[name][a:e].copy_(m, non_blocking=True)
+                    st.v[name][a:e].copy_(v, non_blocking=True)
+                    if shadow is not None:
+                        s.keep_alive(shadow, self.down)
+                        st.shadow[name][a:e].copy_(shadow, non_blocking=True)
+                    done = s.record(self.down, timing=cuda)
+                del g, g32, shadow
+                self.rot_free[b] = done
+            del flat
+            # Each stream runs in order: the last chunk's events cover the whole group.
+            self._down[name], self._updated[name] = done, updated
+            if kept is not None:
+                self._fresh.add(name)
+            self.updates += 1
+        if cuda and done is not None:
+            self._spans.append((start, done))
+
+    def _update_prefetched(self, name: str, flat, ready, uploaded, lr: float, scale) -> None:
+        """Update a group whose state is already on the GPU (``full``), then download it on its own stream."""
+        s, st, buf = self.streams, self.store, self.full[name]
+        n = st.by_name[name].numel
+        p, m, v = buf[:n], buf[n:2 * n], buf[2 * n:]
+        st.steps[name].add_(1)
+        with s.use(self.upd):
+            self.upd.wait_event(uploaded)
+            self.dev_steps[name].fill_(float(st.steps[name]))
+            if flat.device == self.device:
+                self.upd.wait_event(ready)
+                s.keep_alive(flat, self.upd)
+            else:
+                self.upd.wait_event(ready)  # grad_placement="host": its D2H copy has landed
+            for a in range(0, n, self.chunk):  # chunk by chunk: one chunk's fp32 gradient at a time
+                e = min(n, a + self.chunk)
+                g = flat[a:e]
+                g = g.to(self.device, dtype=torch.float32, non_blocking=True) if g.device != self.device else g
+                adamw_(p[a:e], g if g.dtype == torch.float32 else g.float(), m[a:e], v[a:e], self.dev_steps[name],
+                       lr, self.cfg, scale)
+            shadow = p.to(st.shadow[name].dtype) if (st.shadow is not None and name in st.shadow) else None
+            updated = s.record(self.upd)
+        with s.use(self.down_full):
+            self.down_full.wait_event(updated)
+            st.master[name].copy_(p, non_blocking=True)
+            st.m[name].copy_(m, non_blocking=True)
+            st.v[name].copy_(v, non_blocking=True)
+            if shadow is not None:
+                s.keep_alive(shadow, self.down_full)
+                st.shadow[name].copy_(shadow, non_blocking=True)
+            done = s.record(self.down_full)
+        self._down[name], self._updated[name] = done, updated
+        if name in self.kept:
+            self._fresh.add(name)
+        self.updates += 1
+
+    def wait_group(self, name: str):
+        """The event a load of ``name`` must wait for: its update when it reads the kept master
+        (``device_source``), its download when it reads host RAM; None before any update."""
+        ev = self._updated.get(name) if name in self._fresh else self._down.get(name)
+        return None if ev is None else _TimedWait(ev, self.wait_timer)
+
+    def device_source(self, name: str) -> torch.Tensor | None:
+        """The updated fp32 master of ``name`` on the GPU, once per update (the next forward's cast reads it;
+        later loads read host RAM)."""
+        if name in self._fresh:
+            self._fresh.discard(name)
+            return self.kept[name]
+        return None
+
+    def host_ready(self, name: str) -> None:
+        """Block until ``name``'s host state is written back (before the CPU path reads it)."""
+        ev = self._down.get(name)
+        if ev is not None:
+            ev.synchronize()
+
+    def settle(self) -> tuple[float, float]:
+        """(busy_s, wait_s) cumulative, adding the spans and waits whose events are complete (the engine calls
+        this after a step's sync, when the previous step's path has long finished)."""
+        pending = []
+        for start, end in self._spans:
+            if end.query():
+                self.busy_s += start.elapsed_time(end) / 1e3
+            else:
+                pending.append((start, end))
+        self._spans = pending
+        return self.busy_s, self.wait_timer.settle()
+
+    def wait_all(self) -> None:
+        for ev in self._down.values():
+            if ev is not None:
+                ev.synchronize()
+
+    def close(self) -> None:
+        self._grads = {}
+        if self.streams.cuda:
+            self.wait_all()  # no copy may still read or write a buffer we unpin
+        for t in self._pinned:
+            unpin(t)
+        self._pinned.clear()

@@ -1,0 +1,312 @@
+"""The host tier's GPU update path (update_path="hybrid", megatrain/streamed_update.py) on CPU: the same
+code with streams as no-ops. Parity with plain PyTorch with a forced split (host-tier groups on both paths)
+for clipping firing and not, 1 and 2 micro-batches, tied and untied, speculation with rollback, NaN skip,
+a save and load in the middle, gradients on the host; the split model; config errors."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatrain import EngineConfig, MegaTrain, PRESETS
+from megatrain.update_split import UpdateRates, forced_split, plan_split
+
+from reference import reference_model, reference_train
+from test_engine_parity import OPTIM, RTOL, assert_parity, batches, engine_cfg
+
+NO_CLIP = dataclasses.replace(OPTIM, max_grad_norm=1e9)
+# Host-tier groups on both paths: the embedding (first needed), a middle layer and the last layer (+ the
+# head when untied) on the GPU path; the rest on the CPU kernel.
+FORCED = "embed,layer.1,layer.3,final"
+
+
+def hybrid_cfg(**kw):
+    base = dict(checkpoint_interval=2, update_path="hybrid", gpu_path_groups=FORCED, gpu_resident="0")
+    base.update(kw)
+    return engine_cfg(**base)
+
+
+def _expected_counts(spec, steps, forced=FORCED):
+    host = ["embed"] + [f"layer.{i}" for i in range(spec.num_layers)] + ["final"]
+    gpu = [x for x in forced.split(",") if x in host]
+    return steps * (len(host) - len(gpu)), steps * len(gpu)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+@pytest.mark.parametrize("clip", [True, False])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])  # untied, tied
+def test_parity_forced_split(preset, clip, micro_batches):
+    spec = PRESETS[preset]
+    optim = OPTIM if clip else NO_CLIP
+    data = batches(spec)
+    stats = {}
+    assert_parity(spec.to_hf_config("eager"), hybrid_cfg(micro_batches=micro_batches, optim=optim), data,
+                  micro_batches=micro_batches, optim=optim, stats_out=stats)
+    cpu, gpu = _expected_counts(spec, len(data))
+    assert stats["cpu_groups"] == cpu and stats["gpu_path_groups"] == gpu
+    assert stats["clipped"] == (len(data) if clip else 0)
+    if not clip:  # "auto" speculates from the second step: the CPU path's groups only, none rolled back
+        assert stats["speculated"] == len(data) - 1 and stats["rollbacks"] == 0
+        assert stats["early_groups"] == (len(data) - 1) * cpu // len(data)
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
+def test_parity_speculation_rolled_back_beside_gpu_path(preset):
+    """speculate="always" with clipping firing every step: the CPU path's early updates are undone and
+    redone, the GPU path updates after the norm; both match plain PyTorch."""
+    spec = PRESETS[preset]
+    data = batches(spec)
+    stats = {}
+    assert_parity(spec.to_hf_config("eager"), hybrid_cfg(speculate="always"), data, stats_out=stats)
+    assert stats["rollbacks"] == len(data) and stats["clipped"] == len(data)
+    assert stats["early_groups"] == _expected_counts(spec, len(data))[0]
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(gpu_resident="2"),  # mixed tiers: GPU tier (embed, layers 0-1) + host tier on both paths
+    dict(grad_placement="host"),  # the GPU path's gradients wait in host buffers (uploaded with the state)
+    dict(gpu_path_groups="auto"),  # the bandwidth model's split (default rates on the CPU)
+    dict(overlap_optimizer=False, num_slots=3, checkpoint_interval=1),
+])
+def test_parity_variants(overrides):
+    spec = PRESETS["tiny-llama"]
+    kw = dict(overrides)
+    if kw.get("gpu_resident") == "2":
+        kw["gpu_path_groups"] = "layer.3,final"  # embed and layers 0-1 are on the GPU tier
+    stats = {}
+    assert_parity(spec.to_hf_config("eager"), hybrid_cfg(**kw), batches(spec), stats_out=stats)
+    assert stats["gpu_path_groups"] > 0 and stats["cpu_groups"] > 0
+
+
+@pytest.mark.parametrize("clip", [True, False])
+def test_parity_in_chunks(monkeypatch, clip):
+    """Groups stream through the rotating buffers in chunks (here 1000 elements: several per group, the
+    last one short, buffers reused across groups); kept masters or not."""
+    from megatrain import streamed_update
+
+    monkeypatch.setattr(streamed_update, "CHUNK_ELEMS", 1000)
+    spec = PRESETS["tiny-qwen2"]
+    optim = OPTIM if clip else NO_CLIP
+    assert_parity(spec.to_hf_config("eager"), hybrid_cfg(optim=optim), batches(spec), optim=optim)
+    engine = MegaTrain.from_config(spec.to_hf_config("eager"), hybrid_cfg(), verbose=False)
+    assert engine.host_tier.gpu.chunk == 1000 and len(engine.host_tier.gpu.kept) == 4
+    engine.close()
+
+
+def test_staging_chunk_halves_to_fit():
+    from megatrain.streamed_update import CHUNK_ELEMS, MIN_CHUNK_ELEMS, rotating_bytes, staging_chunk
+
+    assert staging_chunk(10**9, float("inf"), False) == CHUNK_ELEMS
+    assert staging_chunk(5000, float("inf"), False) == 5000  # never more than the largest group
+    half = staging_chunk(10**9, rotating_bytes(CHUNK_ELEMS, False) - 1, False)
+    assert half == CHUNK_ELEMS // 2
+    assert staging_chunk(10**9, rotating_bytes(MIN_CHUNK_ELEMS, True) - 1, True) == 0
+
+
+@pytest.mark.parametrize("auto", [False, True])
+@pytest.mark.parametrize("clip", [True, False])
+def test_parity_with_prefetch(clip, auto):
+    """gpu_path_prefetch: from the second step on, GPU-path groups' state goes up during the backward (as
+    each gradient arrives) and only the update and download run after the norm."""
+    spec = PRESETS["tiny-qwen2"]
+    optim = OPTIM if clip else NO_CLIP
+    kw = dict(gpu_path_prefetch=True, optim=optim, **(dict(gpu_path_groups="auto") if auto else {}))
+    prefetched = []
+    import megatrain.streamed_update as su
+
+    orig = su.StreamedAdamW.set_prefetch
+
+    def spy(self, names):
+        out = orig(self, names)
+        prefetched.append(out)
+        return out
+
+    su.StreamedAdamW.set_prefetch = spy
+    try:
+        assert_parity(spec.to_hf_config("eager"), hybrid_cfg(**kw), batches(spec), optim=optim)
+    finally:
+        su.StreamedAdamW.set_prefetch = orig
+    assert len(prefetched) == 1 and prefetched[0]  # decided once, after the first step; something prefetched
+
+
+def test_auto_split_uses_both_paths_on_default_rates():
+    spec = PRESETS["tiny-llama"]
+    engine = MegaTrain.from_config(spec.to_hf_config("eager"), hybrid_cfg(gpu_path_groups="auto"), verbose=False)
+    split = engine.host_tier.split_for(False)
+    assert split.gpu and split.cpu and set(split.gpu) | set(split.cpu) == set(engine.placement.host_names)
+    assert engine.host_tier.split_for(True).gpu == []  # no backward measured yet: CPU path alone
+    assert "GPU path" in engine.host_tier.summary()
+    engine.close()
+
+
+def test_cpu_path_reports_counts_and_bf16_shadow_matches():
+    """update_path="cpu" reports every host group on the CPU path; with a bf16 shadow the hybrid engine
+    produces the same losses and weights as the CPU-only one (the GPU path refreshes the shadow too)."""
+    spec = PRESETS["tiny-llama"]
+    hf = spec.to_hf_config("eager")
+    data = batches(spec)
+    results = {}
+    for path in ("cpu", "hybrid"):
+        cfg = hybrid_cfg(update_path=path, stream_dtype="bf16")
+        engine = MegaTrain.from_config(hf, cfg, verbose=False)
+        losses = [engine.step(b).loss for b in data]
+        if path == "cpu":
+            assert engine.stats["cpu_groups"] == spec.num_layers + 2 and engine.stats["gpu_path_groups"] == 0
+        engine.synchronize()
+        results[path] = (losses, {k: v.clone() for k, v in engine.state_dict().items()},
+                         {n: (t.clone(), engine.store.master[n].to(t.dtype)) for n, t in engine.store.shadow.items()})
+        engine.close()
+    torch.testing.assert_close(torch.tensor(results["hybrid"][0]), torch.tensor(results["cpu"][0]), rtol=RTOL, atol=0)
+    for name, value in results["hybrid"][1].items():
+        ref = results["cpu"][1][name]
+        assert float((value - ref).norm() / ref.norm()) <= RTOL, name
+    for name, (shadow, master_rounded) in results["hybrid"][2].items():  # the streamed copy is the master's
+        assert torch.equal(shadow, master_rounded), name
+
+
+def _snapshot(engine):
+    st = engine.store
+    return {(k, n): t[n].detach().cpu().clone() for k, t in (("p", st.master), ("m", st.m), ("v", st.v),
+                                                            ("step", st.steps)) for n in t}
+
+
+@pytest.mark.parametrize("nan_in", ["layer.1", "layer.2"])  # a GPU-path group, a CPU-path group
+@pytest.mark.parametrize("speculate,prefetch", [("never", False), ("always", False), ("never", True)])
+def test_nan_gradient_skips_step(nan_in, speculate, prefetch):
+    spec = PRESETS["tiny-llama"]
+    hf = spec.to_hf_config("eager")
+    data = batches(spec)
+    engine = MegaTrain.from_config(hf, hybrid_cfg(speculate=speculate, optim=NO_CLIP, gpu_path_prefetch=prefetch),
+                                   verbose=False)
+    init = {k: v.clone() for k, v in engine.state_dict().items()}
+    orig, calls = engine._grad_ready, {"n": 0}
+
+    def grad_ready(name, flat, st):
+        if name == nan_in:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                flat = flat.clone()
+                flat[3] = float("nan")
+        return orig(name, flat, st)
+
+    engine._grad_ready = grad_ready
+    losses = []
+    for s, b in enumerate(data):
+        if s == 2:
+            engine.synchronize()
+            before = _snapshot(engine)
+            with pytest.warns(RuntimeWarning, match="step skipped"):
+                engine.step(b)
+            engine.synchronize()
+            after = _snapshot(engine)
+            for key, t in before.items():
+                if speculate == "never" or key[1] in FORCED.split(","):  # the GPU path never updates early
+                    assert torch.equal(t, after[key]), key
+                else:
+                    rel = float((t.double() - after[key].double()).norm() / max(float(t.double().norm()), 1e-30))
+                    assert rel <= 1e-6, (key, rel)
+            assert engine.skipped_steps == 1
+        else:
+            losses.append(engine.step(b).loss)
+    final = {k: v.clone() for k, v in engine.state_dict().items()}
+    engine.close()
+    kept = [b for s, b in enumerate(data) if s != 2]
+    ref_losses, ref_state = reference_train(reference_model(hf, init), kept, NO_CLIP, 2)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0)
+    for name, value in final.items():
+        if not name.endswith("k_proj.bias"):
+            assert float((value - ref_state[name]).norm() / ref_state[name].norm()) <= RTOL, name
+
+
+@pytest.mark.parametrize("resume_path,prefetch", [("hybrid", False), ("cpu", False), ("hybrid", True)])
+def test_save_and_load_in_the_middle(tmp_path, resume_path, prefetch):
+    """Three steps on the hybrid path, save, load (hybrid again, or the CPU path), two more: the same
+    losses as five straight steps."""
+    spec = PRESETS["tiny-qwen3"]
+    hf = spec.to_hf_config("eager")
+    data = batches(spec)
+    engine = MegaTrain.from_config(hf, hybrid_cfg(gpu_path_prefetch=prefetch), verbose=False)
+    straight = [engine.step(b).loss for b in data]
+    engine.close()
+    engine = MegaTrain.from_config(hf, hybrid_cfg(gpu_path_prefetch=prefetch), verbose=False)
+    resumed = [engine.step(b).loss for b in data[:3]]
+    engine.save(tmp_path / "ckpt")
+    engine.close()
+    engine = MegaTrain.load(tmp_path / "ckpt", hybrid_cfg(update_path=resume_path, gpu_path_prefetch=prefetch),
+                            verbose=False)
+    resumed += [engine.step(b).loss for b in data[3:]]
+    engine.close()
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight), rtol=1e-6, atol=0)
+
+
+# -- the split model ------------------------------------------------------------------------------------
+def _layers(n=28, numel=233_000_000, embed=545_000_000):
+    return [("embed", embed)] + [(f"layer.{i}", numel) for i in range(n)] + [("final", embed)]
+
+
+def test_split_after_norm_balances_both_paths_in_forward_order():
+    rates = UpdateRates()
+    order = _layers()
+    split = plan_split(order, rates)
+    assert split.gpu and split.cpu
+    assert sorted(split.gpu + split.cpu, key=[x for x, _ in order].index) == [x for x, _ in order]
+    # Both paths together beat the CPU alone by a clear margin with the H200 rates.
+    assert split.predicted_s < 0.85 * split.predicted_cpu_only_s
+    # Interleaved, not a block: both paths hold groups from the first and the last third of the forward.
+    first, last = {x for x, _ in order[:10]}, {x for x, _ in order[-10:]}
+    assert first & set(split.gpu) and first & set(split.cpu) and last & set(split.gpu) and last & set(split.cpu)
+    # A slower link gives the GPU path fewer groups; a staging limit keeps big groups on the CPU.
+    slow = plan_split(order, dataclasses.replace(rates, h2d_gbs=10, d2h_gbs=10))
+    assert len(slow.gpu) < len(split.gpu)
+    small = plan_split(order, rates, max_numel=300_000_000)
+    assert "embed" not in small.gpu and "final" not in small.gpu and small.gpu
+    assert plan_split(order, rates, max_gpu_groups=0).gpu == []
+
+
+def test_split_speculative_is_a_prefix_that_shrinks_with_the_head_start():
+    rates = UpdateRates()
+    order = _layers()
+    names = [x for x, _ in order]
+    short = plan_split(order, rates, speculative=True, backward_s=0.5)
+    long_bwd = plan_split(order, rates, speculative=True, backward_s=1.5)
+    assert short.gpu == names[:len(short.gpu)] and long_bwd.gpu == names[:len(long_bwd.gpu)]
+    assert len(long_bwd.gpu) < len(short.gpu)
+    assert short.predicted_s <= short.predicted_cpu_only_s
+    # A backward longer than the whole CPU update: nothing to gain, the CPU path alone.
+    assert plan_split(order, rates, speculative=True, backward_s=10.0).gpu == []
+
+
+def test_forced_split_and_config_errors():
+    names = ["embed", "layer.0", "layer.1", "final"]
+    split = forced_split(names, ["layer.1", "embed"])
+    assert split.gpu == ["embed", "layer.1"] and split.cpu == ["layer.0", "final"]
+    with pytest.raises(ValueError, match="not on the host tier"):
+        forced_split(names, ["layer.7"])
+    with pytest.raises(ValueError, match="update_path must be"):
+        EngineConfig(update_path="gpu")
+    with pytest.raises(ValueError, match="update_staging_gib"):
+        EngineConfig(update_staging_gib=-1)
+    spec = PRESETS["tiny-llama"]
+    with pytest.raises(ValueError, match="not on the host tier"):
+        MegaTrain.from_config(spec.to_hf_config("eager"), hybrid_cfg(gpu_resident="2", gpu_path_groups="layer.0"),
+                              verbose=False)
+
+
+def test_prefetch_set_is_a_suffix_bounded_by_spare_link_and_memory():
+    from megatrain.update_split import prefetch_set
+
+    order = _layers()
+    names = [x for x, _ in order]
+    rates = UpdateRates()
+    loads = 4 * sum(n for _, n in order)
+    pre = prefetch_set(order, rates, backward_s=1.5, load_bytes=loads, budget_bytes=1e12)
+    assert pre and pre == names[-len(pre):]
+    spare = 0.7 * (1.5 * rates.h2d_gbs * 1e9 - loads)
+    assert 12 * sum(n for x, n in order if x in pre) <= spare
+    assert len(prefetch_set(order, rates, backward_s=3.0, load_bytes=loads, budget_bytes=1e12)) > len(pre)
+    assert len(prefetch_set(order, rates, backward_s=1.5, load_bytes=loads, budget_bytes=12 * 233_000_000 * 2)) <= 2
+    assert prefetch_set(order, rates, backward_s=0.1, load_bytes=loads, budget_bytes=1e12) == []
+    # The split puts them on the GPU path and plans the rest.
+    split = plan_split(order, rates, prefetched=frozenset(pre))
+    assert set(pre) <= set(split.gpu) and split.cpu and "prefetched" in split.reason
