@@ -167,7 +167,7 @@ class HostKernel:
             gs = self._g32[:g[sl].numel()].copy_(g[sl])
             ms, vs = m[sl], v[sl]
             if float(step_t) > 1:
-                fragile = vs * b2 + (1 - b2) * gs * gs > FRAGILE * vs
+                fragile = gs * gs > (FRAGILE - b2) / (1 - b2) * vs  # v_new > FRAGILE v_old, as adamw.cpp
             else:  # the moments are zeros: the undo restores them exactly
                 fragile = torch.zeros_like(vs, dtype=torch.bool)
             n_frag = int(fragile.sum())

@@ -15,6 +15,7 @@ import pytest
 from megatrain import kernels
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(600)  # every wait below is bounded too; this bounds the test as a whole
 # Children start from this environment minus megatrain's switches and caches (flags stay: they are part of
 # the hash that ``prebuilt`` was built for).
 CLEAN = {k: v for k, v in os.environ.items()

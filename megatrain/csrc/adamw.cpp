@@ -34,7 +34,7 @@ constexpr float kFragile = 64.0f;      // v_new > kFragile * v_old: the undo cou
 
 struct Consts {
   // float: exactly the numbers the update uses (as torch's fused kernel rounds them)
-  float w1, b2, w2, step_size, bc2_sqrt, decay, eps;
+  float w1, b2, w2, step_size, bc2_sqrt, decay, eps, frag_k;
   double b1d;  // the undo's divisor for m (b1 itself; m's update is a lerp with weight w1 = 1 - b1)
   bool first;  // step count 1: the moments were zeros before this update
 
@@ -46,6 +46,7 @@ struct Consts {
     bc2_sqrt = (float)std::sqrt(1.0 - std::pow(b2_, step));
     decay = (float)(1.0 - lr * wd);
     eps = (float)eps_;
+    frag_k = (float)((kFragile - b2_) / (1.0 - b2_));
     b1d = 1.0 - (double)w1;
     first = step <= 1.0;
   }
@@ -88,23 +89,17 @@ inline void block_step(float* __restrict p, float* __restrict m, float* __restri
   }
 }
 
-// Whether a coefficient-1 update of this element would lose v_old beyond what the undo can restore.
-inline bool fragile(float v_old, float g, const Consts& c) {
-  const float vi = v_old * c.b2 + c.w2 * g * g;  // as block_step computes it (coefficient 1)
-  return vi > kFragile * v_old;                   // v_old == 0 with g != 0 too: exact zeros come back as zeros
-}
+// Whether a coefficient-1 update of this element would lose v_old beyond what the undo can restore:
+// v_new = b2 v_old + (1-b2) g^2 > 64 v_old, written as (1-b2) g^2 > (64-b2) v_old (c.frag_k = (64-b2)/(1-b2)),
+// two multiplies and a compare. v_old == 0 with g != 0 counts too: exact zeros come back as zeros.
+inline bool fragile(float v_old, float g, const Consts& c) { return g * g > c.frag_k * v_old; }
 
-// Marks the fragile elements of a block in ``mask`` (one byte each, vectorised); returns how many.
-inline int64_t block_fragile(const float* __restrict v, const float* __restrict g, uint8_t* __restrict mask,
-                             int64_t len, const Consts& c) {
-  int64_t count = 0;
+// How many elements of a block are fragile (vectorised: a float count, the lanes' own width; exact below 2^24).
+inline int64_t count_fragile(const float* __restrict v, const float* __restrict g, int64_t len, const Consts& c) {
+  float count = 0.0f;
 #pragma omp simd reduction(+ : count)
-  for (int64_t i = 0; i < len; ++i) {
-    const uint8_t f = fragile(v[i], g[i], c) ? 1 : 0;
-    mask[i] = f;
-    count += f;
-  }
-  return count;
+  for (int64_t i = 0; i < len; ++i) count += fragile(v[i], g[i], c) ? 1.0f : 0.0f;
+  return (int64_t)count;
 }
 
 // Inverts block_step with coefficient 1 in float64, with the same float constants. At step 1 the moments
@@ -204,12 +199,11 @@ std::tuple<int64_t, torch::Tensor, torch::Tensor> adamw_speculate(
     auto& I = idx[k];
     auto& S = saved[k];
     float gbuf[kBlock];
-    uint8_t mask[kBlock];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t lo = b * kBlock, len = std::min(kBlock, t.n - lo);
       grad.load(gbuf, lo, len);
       float *P = t.P + lo, *M = t.M + lo, *V = t.V + lo;
-      const int64_t nf = c.first ? 0 : block_fragile(V, gbuf, mask, len, c);
+      const int64_t nf = c.first ? 0 : count_fragile(V, gbuf, len, c);
       if (nf > room) {
         flags[b] = 1;
         ++count;
@@ -217,14 +211,14 @@ std::tuple<int64_t, torch::Tensor, torch::Tensor> adamw_speculate(
       }
       if (nf > 0) {
         room -= nf;
-        for (int64_t i = 0; i < len; i += 8) {  // the mask, 8 bytes at a time: most words are zero
-          uint64_t word = 0;
-          std::memcpy(&word, mask + i, std::min<int64_t>(8, len - i));
-          for (int64_t j = i; word != 0 && j < std::min<int64_t>(i + 8, len); ++j, word >>= 8) {
-            if (word & 0xff) {
-              I.push_back((int32_t)(lo + j));
-              S.push_back(M[j]);
-              S.push_back(V[j]);
+        for (int64_t i0 = 0; i0 < len; i0 += 64) {  // find them 64 at a time (vectorised), then one by one
+          const int64_t i1 = std::min(i0 + 64, len);
+          if (count_fragile(V + i0, gbuf + i0, i1 - i0, c) == 0) continue;
+          for (int64_t i = i0; i < i1; ++i) {
+            if (fragile(V[i], gbuf[i], c)) {
+              I.push_back((int32_t)(lo + i));
+              S.push_back(M[i]);
+              S.push_back(V[i]);
             }
           }
         }
