@@ -86,7 +86,7 @@ def _cpu_only_s(numels: list[tuple[str, int]], rates: UpdateRates, head_start_s:
 def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative: bool = False,
                backward_s: float = 0.0, stream_bytes: int = 4, grad_bytes: int = 2, grad_up_bytes: int = 0,
                gpu_load_bytes: int = 0, max_numel: int | None = None, max_gpu_groups: int | None = None,
-               prefetched: frozenset = frozenset()) -> Split:
+               prefetched: frozenset = frozenset(), eligible: frozenset | None = None) -> Split:
     """Split ``numels`` ((group, numel) in the next forward's order) between the CPU and GPU update paths.
 
     ``stream_bytes``: per-param bytes the forward loads for a CPU-path group (4 fp32 master, 2 bf16 shadow);
@@ -106,14 +106,17 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
         rest = plan_split([(x, n) for x, n in numels if x not in prefetched], rates, speculative=speculative,
                           backward_s=backward_s, stream_bytes=stream_bytes, grad_bytes=grad_bytes,
                           grad_up_bytes=grad_up_bytes, gpu_load_bytes=gpu_load_bytes, max_numel=max_numel,
-                          max_gpu_groups=max_gpu_groups)
+                          max_gpu_groups=max_gpu_groups, eligible=eligible)
         gpu = [x for x, _ in numels if x in prefetched or x in set(rest.gpu)]
         return Split(gpu, rest.cpu, max(rest.predicted_s, pre_d2h), _cpu_only_s(numels, rates, backward_s if speculative else 0.0),
                      f"{len(pre)} prefetched during the backward; " + rest.reason)
-    eligible = [(x, n) for x, n in numels if max_numel is None or n <= max_numel]
+    def allowed(x: str, n: int) -> bool:
+        return (max_numel is None or n <= max_numel) and (eligible is None or x in eligible)
+
+    can = [(x, n) for x, n in numels if allowed(x, n)]
     head = backward_s if speculative else 0.0
     only = _cpu_only_s(numels, rates, head)
-    if not eligible or max_gpu_groups == 0:
+    if not can or max_gpu_groups == 0:
         return Split([], [x for x, _ in numels], only, only, "no group fits the staging buffers")
     up_b, down_b = STATE_BYTES + grad_up_bytes + gpu_load_bytes, STATE_BYTES  # (the load shares the H2D link)
 
@@ -131,7 +134,7 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
         best = Split([], [x for x, _ in numels], only, only, "speculative: CPU path only")
         taken: list[int] = []
         for k, (x, n) in enumerate(numels):
-            if (max_numel is not None and n > max_numel) or (max_gpu_groups is not None and k >= max_gpu_groups):
+            if not allowed(x, n) or (max_gpu_groups is not None and k >= max_gpu_groups):
                 break
             taken.append(n)
             gpu_s = gpu_time(taken)
@@ -146,7 +149,7 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
     t_cpu = t_h2d = t_d2h = 0.0
     gpu, cpu, gpu_numels = [], [], []
     for x, n in numels:
-        fits = (max_numel is None or n <= max_numel) and (max_gpu_groups is None or len(gpu) < max_gpu_groups)
+        fits = allowed(x, n) and (max_gpu_groups is None or len(gpu) < max_gpu_groups)
         cpu_done = t_cpu + n / cpu_loaded
         # Ready for the forward once up and updated (its master stays on the GPU for the forward's cast).
         gpu_done = t_h2d + up_b * n / h2d + n / gpu_rate if fits else float("inf")

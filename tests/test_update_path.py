@@ -310,3 +310,23 @@ def test_prefetch_set_is_a_suffix_bounded_by_spare_link_and_memory():
     # The split puts them on the GPU path and plans the rest.
     split = plan_split(order, rates, prefetched=frozenset(pre))
     assert set(pre) <= set(split.gpu) and split.cpu and "prefetched" in split.reason
+
+
+def test_rates_calibrate_from_busy_times_after_the_norm_only():
+    """The rates move halfway to what the run measured (CPU params over the worker's busy time, GPU-path bytes
+    over its busy time), within 4x of the build's; never from speculative or skipped steps."""
+    spec = PRESETS["tiny-llama"]
+    engine = MegaTrain.from_config(spec.to_hf_config("eager"), hybrid_cfg(gpu_path_groups="auto"), verbose=False)
+    ht = engine.host_tier
+    base = dataclasses.replace(ht.rates)
+    ht._params = [(2 * 10**9, 10**9, False), (2 * 10**9, 10**9, False)]
+    ht._calibrate({"host_update_busy_s": 1.0, "gpu_path_busy_s": 12 / 30})  # 2 Gparam/s, 30 GB/s each way
+    assert ht.rates.cpu_loaded_gps == pytest.approx((base.cpu_loaded_gps + 2.0) / 2)
+    assert ht.rates.h2d_gbs == pytest.approx((base.h2d_gbs + 30.0) / 2) and ht.calibrated == 1
+    ht._calibrate({"host_update_busy_s": 1e-9, "gpu_path_busy_s": 0.0})  # absurdly fast: clamped
+    assert ht.rates.cpu_loaded_gps == pytest.approx(4 * base.cpu_loaded_gps)
+    before = dataclasses.replace(ht.rates)
+    ht._params = [(10**9, 0, True), (10**9, 0, False)]  # a speculative update: its busy time is not comparable
+    ht._calibrate({"host_update_busy_s": 5.0})
+    assert ht.rates == before
+    engine.close()
