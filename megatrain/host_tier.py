@@ -230,6 +230,7 @@ def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host
                     True: plan_split(order, rates, speculative=True, backward_s=backward_s, max_gpu_groups=longest,
                                      prefetched=prefetched, eligible=eligible, **kw)}
 
+        if cfg.gpu_path_prefetch:
             choose = lambda bwd: update_split.prefetch_set(  # noqa: E731
                 order, rates, backward_s=bwd, load_bytes=c * sum(numels.values()),
                 budget_bytes=staging_bytes - rotating_bytes(chunk, grads_on_host))
