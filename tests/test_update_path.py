@@ -330,3 +330,21 @@ def test_rates_calibrate_from_busy_times_after_the_norm_only():
     ht._calibrate({"host_update_busy_s": 5.0})
     assert ht.rates == before
     engine.close()
+
+
+def test_gpu_path_update_is_issued_when_the_next_step_begins_or_state_is_needed():
+    """finish only records the GPU path's update; the next step (or synchronize / a load) issues it, so a
+    device sync between steps does not serialize it. The host state is the updated one once it is needed."""
+    spec = PRESETS["tiny-llama"]
+    engine = MegaTrain.from_config(spec.to_hf_config("eager"), hybrid_cfg(), verbose=False)
+    gpu = engine.host_tier.gpu
+    data = batches(spec, steps=2)
+    before = engine.store.master["layer.1"].clone()
+    engine.step(data[0])
+    assert gpu._pending is not None and torch.equal(engine.store.master["layer.1"], before)
+    engine.synchronize()
+    assert gpu._pending is None and not torch.equal(engine.store.master["layer.1"], before)
+    engine.step(data[1])  # begin_step finds nothing pending; this step's update is pending again
+    assert gpu._pending is not None
+    engine.close()
+    assert gpu._pending is None  # close applied it
