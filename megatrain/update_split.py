@@ -166,6 +166,9 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
     if not gpu:
         return Split([], cpu, only, only, "after the norm: the CPU path is faster for every group")
     t = max(t_cpu, t_h2d, t_d2h)
+    if t >= only:  # never plan a split the model predicts slower than the CPU path alone
+        return Split([], [x for x, _ in numels], only, only,
+                     f"after the norm: CPU only (the split would take {t:.3f} s)")
     return Split(gpu, cpu, t, only, f"after the norm: list scheduling, {len(gpu)} of {len(numels)} groups on the GPU")
 
 
@@ -195,7 +198,7 @@ def forced_split(names: list[str], gpu_names: list[str]) -> Split:
     return Split([x for x in names if x in chosen], [x for x in names if x not in chosen], reason="forced")
 
 
-def measure_rates(device, kernel, numel: int = 1 << 25, copy_bytes: int = 256 << 20) -> UpdateRates:
+def measure_rates(device, kernel, numel: int = 1 << 26, copy_bytes: int = 256 << 20) -> UpdateRates:
     """Measure the rates on this machine (CUDA only; about a second): pinned copies each way with the other
     direction running, and ``kernel`` (a megatrain.cpu_adamw.HostKernel) on ``numel`` fp32 parameters with a
     bf16 gradient, alone and while those copies run."""
@@ -214,7 +217,7 @@ def measure_rates(device, kernel, numel: int = 1 << 25, copy_bytes: int = 256 <<
         return time.perf_counter() - t0
 
     cpu_run()  # warm-up (page faults, extension load)
-    rates.cpu_gps = numel / min(cpu_run() for _ in range(3)) / GB
+    rates.cpu_gps = numel / min(cpu_run() for _ in range(5)) / GB  # the best of 5 (one ran ~25 ms at 2.7 GB/s)
     host_up, host_down = torch.empty(copy_bytes, dtype=torch.uint8), torch.empty(copy_bytes, dtype=torch.uint8)
     pin_in_place(host_up, "the update-rate measurement buffer")
     pin_in_place(host_down, "the update-rate measurement buffer")
@@ -222,7 +225,7 @@ def measure_rates(device, kernel, numel: int = 1 << 25, copy_bytes: int = 256 <<
         dev_up = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
         dev_down = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
         s_up, s_down = torch.cuda.Stream(device), torch.cuda.Stream(device)
-        reps = 16  # 4 GiB each way, ~90 ms at 46 GB/s: longer than the three CPU runs below
+        reps = 40  # 10 GiB each way, ~230 ms at 46 GB/s: longer than the five CPU runs below
         events = []
         for s, dst, src in ((s_up, dev_up, host_up), (s_down, host_down, dev_down)):
             with torch.cuda.stream(s):
@@ -233,12 +236,12 @@ def measure_rates(device, kernel, numel: int = 1 << 25, copy_bytes: int = 256 <<
                 end = torch.cuda.Event(enable_timing=True)
                 end.record(s)
             events.append((start, end))
-        cpu_loaded = [cpu_run() for _ in range(3)]  # while both copy streams run (~0.4 s of copies)
+        cpu_loaded = [cpu_run() for _ in range(5)]  # while both copy streams run
         torch.cuda.synchronize(device)
         up_s, down_s = (a.elapsed_time(b) / 1e3 for a, b in events)
         rates.h2d_gbs = reps * copy_bytes / up_s / GB
         rates.d2h_gbs = reps * copy_bytes / down_s / GB
-        rates.cpu_loaded_gps = numel / sorted(cpu_loaded)[1] / GB  # the median run
+        rates.cpu_loaded_gps = numel / sorted(cpu_loaded)[2] / GB  # the median run
         del dev_up, dev_down
     finally:
         torch.cuda.synchronize(device)

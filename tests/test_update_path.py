@@ -262,6 +262,10 @@ def test_split_after_norm_balances_both_paths_in_forward_order():
     small = plan_split(order, rates, max_numel=300_000_000)
     assert "embed" not in small.gpu and "final" not in small.gpu and small.gpu
     assert plan_split(order, rates, max_gpu_groups=0).gpu == []
+    # A split the model predicts slower than the CPU alone (copies slow the CPU a lot, a slow link) is not
+    # planned: the CPU path alone.
+    slow_both = plan_split(order, dataclasses.replace(rates, cpu_loaded_gps=1.0, h2d_gbs=12, d2h_gbs=12))
+    assert slow_both.gpu == [] and "CPU only" in slow_both.reason
 
 
 def test_split_speculative_is_a_prefix_that_shrinks_with_the_head_start():
