@@ -9,6 +9,7 @@ the path that last updated it. With ``update_path="cpu"`` every group goes to th
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -35,7 +36,12 @@ class HybridHostAdamW:
         self.splits = dict(splits or {})
         self.rates = rates
         self._replan, self._choose_prefetch = replan, choose_prefetch
+        self._base_rates = dataclasses.replace(rates) if rates is not None else None  # as measured at build
         self.prefetched: list[str] | None = None  # decided after the first step (None: not yet / not asked)
+        # Online calibration (``observe_step``): parameters each path updated per finished step, newest last.
+        self._params: list[tuple[int, int, bool]] = []  # (CPU params, GPU-path params, speculated)
+        self._step_params = [0, 0]
+        self.calibrated = 0  # steps whose measured busy times corrected the rates
         self.backward_s: float | None = None  # running estimate of the backward's time (observe_step)
         self._gpu_set: set[str] = set()  # this step's GPU-path groups
         self._last_gpu: set[str] = set()  # GPU-path groups of the last finished step (their loads wait there)
@@ -65,8 +71,9 @@ class HybridHostAdamW:
                     gpu_path_wait_s=wait)
 
     def observe_step(self, stats: dict) -> None:
-        """After a step: its backward time sets how long a speculative CPU path runs before the norm, so the
-        speculative split is planned again from it (an average over steps)."""
+        """After a step: its backward time sets how long a speculative CPU path runs before the norm (and,
+        once, how much state to prefetch), and the busy times of the update that ran during it (the previous
+        step's, after its norm) correct the rates; both splits are then planned again."""
         bwd = stats.get("backward_s")
         if self.gpu is None or bwd is None or not math.isfinite(bwd):
             return
@@ -74,8 +81,28 @@ class HybridHostAdamW:
         if self._choose_prefetch is not None and self.prefetched is None:
             # Once: the backward's length bounds how much state can go up during it (buffers are allocated now).
             self.prefetched = self.gpu.set_prefetch(self._choose_prefetch(self.backward_s))
-        if self._replan is not None:
-            self.splits.update(self._replan(self.backward_s, frozenset(self.prefetched or ())))
+        if self._replan is None:
+            return
+        self._calibrate(stats)
+        self.splits.update(self._replan(self.backward_s, frozenset(self.prefetched or ())))
+
+    def _calibrate(self, stats: dict) -> None:
+        """Rates from this run: the CPU path's parameters over its worker's busy time, the GPU path's bytes
+        over its busy time, for an update that ran after the norm beside a whole step (neither that step nor
+        this one speculated or was skipped); averaged, and kept within 4x of the measured ones."""
+        if self.rates is None or len(self._params) < 2 or self._params[0][2] or self._params[1][2]:
+            return
+        cpu_params, gpu_params, _ = self._params[0]  # the update this step's busy times measured
+        cpu_busy, gpu_busy = stats.get("host_update_busy_s", 0.0), stats.get("gpu_path_busy_s", 0.0)
+        r, base = self.rates, self._base_rates
+        if cpu_params and cpu_busy > 0:
+            seen = cpu_params / cpu_busy / 1e9
+            r.cpu_loaded_gps = _clamp(0.5 * (r.cpu_loaded_gps + seen), base.cpu_loaded_gps)
+        if gpu_params and gpu_busy > 0:
+            seen = update_split.STATE_BYTES * gpu_params / gpu_busy / 1e9  # each way, pipelined
+            r.h2d_gbs = _clamp(0.5 * (r.h2d_gbs + seen), base.h2d_gbs)
+            r.d2h_gbs = _clamp(0.5 * (r.d2h_gbs + seen), base.d2h_gbs)
+        self.calibrated += 1
 
     def split_for(self, speculate: bool) -> Split:
         return self.splits.get(speculate) or Split([], list(self.names))
@@ -84,11 +111,13 @@ class HybridHostAdamW:
     def begin_step(self, step: int, speculate: bool) -> None:
         split = self.split_for(speculate) if self.gpu is not None else Split([], list(self.names))
         self._gpu_set = set(split.gpu)
+        self._step_params, self._speculating = [0, 0], speculate
         self.cpu.begin_step(step, speculate)  # the CPU path speculates on its own groups only
         if self.gpu is not None:
             self.gpu.begin_step(step, False)
 
     def grad_ready(self, name: str, flat: torch.Tensor, sqnorm: torch.Tensor, ready) -> None:
+        self._step_params[0 if name not in self._gpu_set else 1] += flat.numel()
         if name in self._gpu_set:
             self.gpu_path_groups += 1
             self.gpu.grad_ready(name, flat, sqnorm, ready)
@@ -106,6 +135,7 @@ class HybridHostAdamW:
         self.cpu.finish(step, coef)
         if coef is not None:  # a skipped step changed nothing: each group's last path stays as it was
             self._last_gpu = set(self._gpu_set)
+        self._params = (self._params + [(*self._step_params, self._speculating or coef is None)])[-2:]
 
     def wait_group(self, name: str):
         if name in self._last_gpu:
@@ -142,6 +172,10 @@ class HybridHostAdamW:
         pre = "" if self.prefetched is None else f", {len(self.prefetched)} prefetched during the backward"
         return (f"host update: CPU kernel + GPU path (staging {self.gpu.staging_bytes / GIB:.2f} GiB, "
                 f"{len(self.gpu.kept)} kept masters{pre}); " + "; ".join(parts) + rates)
+
+
+def _clamp(value: float, measured: float) -> float:
+    return min(4 * measured, max(measured / 4, value))
 
 
 def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host_names: list[str],
@@ -186,14 +220,17 @@ def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host
         longest = len(plan_split(order, rates, speculative=True, backward_s=0.0, **kw).gpu)
         splits = {False: plan_split(order, rates, **kw), True: Split([], list(host_names), reason="no backward measured yet")}
 
-        def replan(backward_s: float, prefetched: frozenset) -> dict:
-            return {False: plan_split(order, rates, prefetched=prefetched, **kw),
-                    True: plan_split(order, rates, speculative=True, backward_s=backward_s, max_gpu_groups=longest,
-                                     prefetched=prefetched, **kw)}
-
         candidates = [x for x in host_names if x in set(splits[False].gpu) | set(host_names[:longest])]
         if cfg.gpu_path_prefetch:
             candidates = list(host_names)  # any group may be prefetched (its m, v are pinned for it)
+        eligible = frozenset(candidates)  # pinned and (maybe) kept for the path: replanning stays within them
+
+        def replan(backward_s: float, prefetched: frozenset) -> dict:
+            return {False: plan_split(order, rates, prefetched=prefetched, eligible=eligible, **kw),
+                    True: plan_split(order, rates, speculative=True, backward_s=backward_s, max_gpu_groups=longest,
+                                     prefetched=prefetched, eligible=eligible, **kw)}
+
+        if cfg.gpu_path_prefetch:
             choose = lambda bwd: update_split.prefetch_set(  # noqa: E731
                 order, rates, backward_s=bwd, load_bytes=c * sum(numels.values()),
                 budget_bytes=staging_bytes - rotating_bytes(chunk, grads_on_host))

@@ -112,6 +112,7 @@ class StreamedAdamW:
         self._down: dict[str, object] = {}  # name -> event after its last download (host state valid)
         self._fresh: set[str] = set()  # kept masters holding the last update, not yet read by a load
         self._prefetched: dict[str, object] = {}  # this step's prefetched groups -> event after their upload
+        self._pending: tuple | None = None  # (step, coef, grads, prefetched) of a finished step, not issued yet
         self.wait_timer = WaitTimer(streams)  # loads' GPU waits for this path
         self._spans: list[tuple] = []  # (first upload start, last download end) timing events per step
         self.busy_s = 0.0  # GPU time from a step's first upload to its last download (settled)
@@ -155,6 +156,7 @@ class StreamedAdamW:
 
     # -- GroupOptimizer -------------------------------------------------------------------------------
     def begin_step(self, step: int, speculate: bool) -> None:
+        self.flush()  # the last step's update starts now, overlapping this step's forward
         self._grads, self._prefetched = {}, {}
 
     def grad_ready(self, name: str, flat: torch.Tensor, sqnorm: torch.Tensor, ready) -> None:
@@ -178,9 +180,22 @@ class StreamedAdamW:
             self._prefetched[name] = s.record(self.up)
 
     def finish(self, step: int, coef: float | None) -> None:
+        """The norm is known: the update is issued at the next ``flush`` (the next step's ``begin_step``, or
+        whatever needs the state first: a load, ``wait_all``, ``close``). In a training loop that is at once;
+        a device synchronize between steps (a benchmark's per-step timing) then does not wait for the whole
+        update, which overlaps the next forward as the CPU path's does."""
         grads, self._grads = self._grads, {}
         prefetched, self._prefetched = self._prefetched, {}
         self._fresh.clear()  # kept masters of the last step are either read already or stale now
+        self._pending = (step, coef, grads, prefetched)
+
+    def flush(self) -> None:
+        """Issue the pending update (see ``finish``); nothing when there is none."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._issue(*pending)
+
+    def _issue(self, step: int, coef: float | None, grads: dict, prefetched: dict) -> None:
         if coef is None or not grads:  # (prefetched state is dropped: the host copy is unchanged)
             return  # skipped step (or nothing routed here): state untouched
         s, st, cuda = self.streams, self.store, self.streams.cuda
@@ -296,12 +311,14 @@ class StreamedAdamW:
     def wait_group(self, name: str):
         """The event a load of ``name`` must wait for: its update when it reads the kept master
         (``device_source``), its download when it reads host RAM; None before any update."""
+        self.flush()
         ev = self._updated.get(name) if name in self._fresh else self._down.get(name)
         return None if ev is None else _TimedWait(ev, self.wait_timer)
 
     def device_source(self, name: str) -> torch.Tensor | None:
         """The updated fp32 master of ``name`` on the GPU, once per update (the next forward's cast reads it;
         later loads read host RAM)."""
+        self.flush()
         if name in self._fresh:
             self._fresh.discard(name)
             return self.kept[name]
@@ -309,31 +326,31 @@ class StreamedAdamW:
 
     def host_ready(self, name: str) -> None:
         """Block until ``name``'s host state is written back (before the CPU path reads it)."""
+        self.flush()
         ev = self._down.get(name)
         if ev is not None:
             ev.synchronize()
 
     def settle(self) -> tuple[float, float]:
-        """(busy_s, wait_s) cumulative, adding the spans and waits whose events are complete (the engine calls
-        this after a step's sync, when the previous step's path has long finished)."""
-        pending = []
+        """(busy_s, wait_s) cumulative, adding every span and wait issued so far. The engine calls this at the
+        start of a step (the last update is not issued yet: nothing to add) and after its loss sync, when
+        the update issued in this step is done (the backward reloaded every host layer after its download;
+        a synchronize here would wait only for a late embedding/head download)."""
         for start, end in self._spans:
-            if end.query():
-                self.busy_s += start.elapsed_time(end) / 1e3
-            else:
-                pending.append((start, end))
-        self._spans = pending
+            end.synchronize()
+            self.busy_s += start.elapsed_time(end) / 1e3
+        self._spans = []
         return self.busy_s, self.wait_timer.settle()
 
     def wait_all(self) -> None:
+        self.flush()
         for ev in self._down.values():
             if ev is not None:
                 ev.synchronize()
 
     def close(self) -> None:
         self._grads = {}
-        if self.streams.cuda:
-            self.wait_all()  # no copy may still read or write a buffer we unpin
+        self.wait_all()  # the pending update is applied; no copy may still read or write a buffer we unpin
         for t in self._pinned:
             unpin(t)
         self._pinned.clear()

@@ -86,7 +86,7 @@ def _cpu_only_s(numels: list[tuple[str, int]], rates: UpdateRates, head_start_s:
 def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative: bool = False,
                backward_s: float = 0.0, stream_bytes: int = 4, grad_bytes: int = 2, grad_up_bytes: int = 0,
                gpu_load_bytes: int = 0, max_numel: int | None = None, max_gpu_groups: int | None = None,
-               prefetched: frozenset = frozenset()) -> Split:
+               prefetched: frozenset = frozenset(), eligible: frozenset | None = None) -> Split:
     """Split ``numels`` ((group, numel) in the next forward's order) between the CPU and GPU update paths.
 
     ``stream_bytes``: per-param bytes the forward loads for a CPU-path group (4 fp32 master, 2 bf16 shadow);
@@ -106,14 +106,17 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
         rest = plan_split([(x, n) for x, n in numels if x not in prefetched], rates, speculative=speculative,
                           backward_s=backward_s, stream_bytes=stream_bytes, grad_bytes=grad_bytes,
                           grad_up_bytes=grad_up_bytes, gpu_load_bytes=gpu_load_bytes, max_numel=max_numel,
-                          max_gpu_groups=max_gpu_groups)
+                          max_gpu_groups=max_gpu_groups, eligible=eligible)
         gpu = [x for x, _ in numels if x in prefetched or x in set(rest.gpu)]
         return Split(gpu, rest.cpu, max(rest.predicted_s, pre_d2h), _cpu_only_s(numels, rates, backward_s if speculative else 0.0),
                      f"{len(pre)} prefetched during the backward; " + rest.reason)
-    eligible = [(x, n) for x, n in numels if max_numel is None or n <= max_numel]
+    def allowed(x: str, n: int) -> bool:
+        return (max_numel is None or n <= max_numel) and (eligible is None or x in eligible)
+
+    can = [(x, n) for x, n in numels if allowed(x, n)]
     head = backward_s if speculative else 0.0
     only = _cpu_only_s(numels, rates, head)
-    if not eligible or max_gpu_groups == 0:
+    if not can or max_gpu_groups == 0:
         return Split([], [x for x, _ in numels], only, only, "no group fits the staging buffers")
     up_b, down_b = STATE_BYTES + grad_up_bytes + gpu_load_bytes, STATE_BYTES  # (the load shares the H2D link)
 
@@ -131,7 +134,7 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
         best = Split([], [x for x, _ in numels], only, only, "speculative: CPU path only")
         taken: list[int] = []
         for k, (x, n) in enumerate(numels):
-            if (max_numel is not None and n > max_numel) or (max_gpu_groups is not None and k >= max_gpu_groups):
+            if not allowed(x, n) or (max_gpu_groups is not None and k >= max_gpu_groups):
                 break
             taken.append(n)
             gpu_s = gpu_time(taken)
@@ -146,7 +149,7 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
     t_cpu = t_h2d = t_d2h = 0.0
     gpu, cpu, gpu_numels = [], [], []
     for x, n in numels:
-        fits = (max_numel is None or n <= max_numel) and (max_gpu_groups is None or len(gpu) < max_gpu_groups)
+        fits = allowed(x, n) and (max_gpu_groups is None or len(gpu) < max_gpu_groups)
         cpu_done = t_cpu + n / cpu_loaded
         # Ready for the forward once up and updated (its master stays on the GPU for the forward's cast).
         gpu_done = t_h2d + up_b * n / h2d + n / gpu_rate if fits else float("inf")
@@ -163,6 +166,9 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
     if not gpu:
         return Split([], cpu, only, only, "after the norm: the CPU path is faster for every group")
     t = max(t_cpu, t_h2d, t_d2h)
+    if t >= only:  # never plan a split the model predicts slower than the CPU path alone
+        return Split([], [x for x, _ in numels], only, only,
+                     f"after the norm: CPU only (the split would take {t:.3f} s)")
     return Split(gpu, cpu, t, only, f"after the norm: list scheduling, {len(gpu)} of {len(numels)} groups on the GPU")
 
 
@@ -192,7 +198,7 @@ def forced_split(names: list[str], gpu_names: list[str]) -> Split:
     return Split([x for x in names if x in chosen], [x for x in names if x not in chosen], reason="forced")
 
 
-def measure_rates(device, kernel, numel: int = 1 << 25, copy_bytes: int = 256 << 20) -> UpdateRates:
+def measure_rates(device, kernel, numel: int = 1 << 26, copy_bytes: int = 256 << 20) -> UpdateRates:
     """Measure the rates on this machine (CUDA only; about a second): pinned copies each way with the other
     direction running, and ``kernel`` (a megatrain.cpu_adamw.HostKernel) on ``numel`` fp32 parameters with a
     bf16 gradient, alone and while those copies run."""
@@ -211,7 +217,7 @@ def measure_rates(device, kernel, numel: int = 1 << 25, copy_bytes: int = 256 <<
         return time.perf_counter() - t0
 
     cpu_run()  # warm-up (page faults, extension load)
-    rates.cpu_gps = numel / min(cpu_run() for _ in range(3)) / GB
+    rates.cpu_gps = numel / min(cpu_run() for _ in range(5)) / GB  # the best of 5 (one ran ~25 ms at 2.7 GB/s)
     host_up, host_down = torch.empty(copy_bytes, dtype=torch.uint8), torch.empty(copy_bytes, dtype=torch.uint8)
     pin_in_place(host_up, "the update-rate measurement buffer")
     pin_in_place(host_down, "the update-rate measurement buffer")
@@ -219,7 +225,7 @@ def measure_rates(device, kernel, numel: int = 1 << 25, copy_bytes: int = 256 <<
         dev_up = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
         dev_down = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
         s_up, s_down = torch.cuda.Stream(device), torch.cuda.Stream(device)
-        reps = 16  # 4 GiB each way, ~90 ms at 46 GB/s: longer than the three CPU runs below
+        reps = 40  # 10 GiB each way, ~230 ms at 46 GB/s: longer than the five CPU runs below
         events = []
         for s, dst, src in ((s_up, dev_up, host_up), (s_down, host_down, dev_down)):
             with torch.cuda.stream(s):
@@ -230,12 +236,12 @@ def measure_rates(device, kernel, numel: int = 1 << 25, copy_bytes: int = 256 <<
                 end = torch.cuda.Event(enable_timing=True)
                 end.record(s)
             events.append((start, end))
-        cpu_loaded = [cpu_run() for _ in range(3)]  # while both copy streams run (~0.4 s of copies)
+        cpu_loaded = [cpu_run() for _ in range(5)]  # while both copy streams run
         torch.cuda.synchronize(device)
         up_s, down_s = (a.elapsed_time(b) / 1e3 for a, b in events)
         rates.h2d_gbs = reps * copy_bytes / up_s / GB
         rates.d2h_gbs = reps * copy_bytes / down_s / GB
-        rates.cpu_loaded_gps = numel / sorted(cpu_loaded)[1] / GB  # the median run
+        rates.cpu_loaded_gps = numel / sorted(cpu_loaded)[2] / GB  # the median run
         del dev_up, dev_down
     finally:
         torch.cuda.synchronize(device)

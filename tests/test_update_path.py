@@ -262,6 +262,10 @@ def test_split_after_norm_balances_both_paths_in_forward_order():
     small = plan_split(order, rates, max_numel=300_000_000)
     assert "embed" not in small.gpu and "final" not in small.gpu and small.gpu
     assert plan_split(order, rates, max_gpu_groups=0).gpu == []
+    # A split the model predicts slower than the CPU alone (copies slow the CPU a lot, a slow link) is not
+    # planned: the CPU path alone.
+    slow_both = plan_split(order, dataclasses.replace(rates, cpu_loaded_gps=1.0, h2d_gbs=12, d2h_gbs=12))
+    assert slow_both.gpu == [] and "CPU only" in slow_both.reason
 
 
 def test_split_speculative_is_a_prefix_that_shrinks_with_the_head_start():
@@ -310,3 +314,41 @@ def test_prefetch_set_is_a_suffix_bounded_by_spare_link_and_memory():
     # The split puts them on the GPU path and plans the rest.
     split = plan_split(order, rates, prefetched=frozenset(pre))
     assert set(pre) <= set(split.gpu) and split.cpu and "prefetched" in split.reason
+
+
+def test_rates_calibrate_from_busy_times_after_the_norm_only():
+    """The rates move halfway to what the run measured (CPU params over the worker's busy time, GPU-path bytes
+    over its busy time), within 4x of the build's; never from speculative or skipped steps."""
+    spec = PRESETS["tiny-llama"]
+    engine = MegaTrain.from_config(spec.to_hf_config("eager"), hybrid_cfg(gpu_path_groups="auto"), verbose=False)
+    ht = engine.host_tier
+    base = dataclasses.replace(ht.rates)
+    ht._params = [(2 * 10**9, 10**9, False), (2 * 10**9, 10**9, False)]
+    ht._calibrate({"host_update_busy_s": 1.0, "gpu_path_busy_s": 12 / 30})  # 2 Gparam/s, 30 GB/s each way
+    assert ht.rates.cpu_loaded_gps == pytest.approx((base.cpu_loaded_gps + 2.0) / 2)
+    assert ht.rates.h2d_gbs == pytest.approx((base.h2d_gbs + 30.0) / 2) and ht.calibrated == 1
+    ht._calibrate({"host_update_busy_s": 1e-9, "gpu_path_busy_s": 0.0})  # absurdly fast: clamped
+    assert ht.rates.cpu_loaded_gps == pytest.approx(4 * base.cpu_loaded_gps)
+    before = dataclasses.replace(ht.rates)
+    ht._params = [(10**9, 0, True), (10**9, 0, False)]  # a speculative update: its busy time is not comparable
+    ht._calibrate({"host_update_busy_s": 5.0})
+    assert ht.rates == before
+    engine.close()
+
+
+def test_gpu_path_update_is_issued_when_the_next_step_begins_or_state_is_needed():
+    """finish only records the GPU path's update; the next step (or synchronize / a load) issues it, so a
+    device sync between steps does not serialize it. The host state is the updated one once it is needed."""
+    spec = PRESETS["tiny-llama"]
+    engine = MegaTrain.from_config(spec.to_hf_config("eager"), hybrid_cfg(), verbose=False)
+    gpu = engine.host_tier.gpu
+    data = batches(spec, steps=2)
+    before = engine.store.master["layer.1"].clone()
+    engine.step(data[0])
+    assert gpu._pending is not None and torch.equal(engine.store.master["layer.1"], before)
+    engine.synchronize()
+    assert gpu._pending is None and not torch.equal(engine.store.master["layer.1"], before)
+    engine.step(data[1])  # begin_step finds nothing pending; this step's update is pending again
+    assert gpu._pending is not None
+    engine.close()
+    assert gpu._pending is None  # close applied it
