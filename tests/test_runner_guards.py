@@ -86,7 +86,7 @@ def test_exit_status_is_1_when_no_point_succeeded(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["sweep=nope"], "error: sweep=nope does not exist; valid: ablation, baselines"),
+    (["sweep=nope"], "error: sweep=nope does not exist; valid: ablation, accuracy_sft, activations, baselines"),
     (["model=bogus"], "error: model=bogus does not exist; valid: tiny-llama"),
     (["sweep=ablation", "system.options.gpu_resident=0"], "error: system.* overrides need the system they edit"),
     (["sweep=ablation", "system=megatrain", "system.options.checkpoint_interval=2", "dry_run=true"],
