@@ -10,8 +10,9 @@ Speculative updates (coefficient 1 before the clip coefficient is known, megatra
 through ``step(..., speculative=True)``, then ``undo`` (rollback, optionally redone with the true
 coefficient) or ``kept``/``commit`` (it stands). A speculative update saves the exact m and v of the
 elements whose second moment the undo could not restore closely (see adamw.cpp), at most 1 % of a chunk's
-elements (12 B each); a block whose fragile elements do not fit is left untouched ("deferred") and updated by
-``undo`` or ``commit`` from its untouched state. Both kernels implement the same rule.
+elements (12 B each); in a block whose fragile elements do not fit ("deferred"), they are left as they were
+(torch's path: the whole block) and ``undo`` or ``commit`` updates them from that state. A kept speculative
+update is bit-identical to the plain one.
 """
 from __future__ import annotations
 

@@ -8,15 +8,18 @@
 // IEEE-rounded as written, and the result is the same bits on every machine, whatever its vector width.
 //
 // Speculation (megatrain/host_adamw.py): an update applied before the clip coefficient is known must be
-// undoable. p and m undo to within an ulp or so; v does not where the new gradient dominates it: v_new =
+// undoable. p and m undo to within an ulp or so; v does not where the new gradient dwarfs it: v_new =
 // b2*v_old + (1-b2)*g^2 keeps only the bits of v_old above ulp(v_new), the rest is gone. An element whose
-// v_old is 1/1000 of v_new comes back ~1e-4 wrong, and its later steps, scaled by 1/sqrt(v), carry that on
-// (embedding rows that reappear, a loss spike, the first steps of training). So a speculative update saves
-// the exact m and v of every such "fragile" element (v_new > 64 v_old, v_old == 0 included) in a side list
-// before it overwrites them, and the undo puts them back; every other element has v_old >= v_new/64 and
-// its undo restores v to ~2^-17 relative, p and m to ~an ulp. The list is capped (a fraction of the
-// chunk, set by the caller); a block whose fragile elements do not fit is left untouched and flagged
-// "deferred", to be updated from its untouched state once the coefficient is known.
+// v_old is 1/1000 of v_new came back ~1e-4 wrong, and its later steps, scaled by 1/sqrt(v), carried that on
+// (embedding rows that reappear, a loss spike, the first steps of training). So the speculative pass leaves
+// every such "fragile" element (v_new > 64 v_old, v_old == 0 included) as it is, in the same vectorised pass
+// that updates the others; then each fragile element's exact m and v go to a side list and it is updated on
+// its own (same operations, same bits), and the undo puts the saved m and v back. Every other element has
+// v_old >= v_new/64, and its undo restores v to ~2^-17 relative, p and m to ~an ulp. The list is capped (a
+// share of it per thread, set by the caller); a block whose fragile elements do not fit keeps them as they
+// were and is flagged "deferred": they are updated from their untouched state once the coefficient is known.
+// Which elements of a deferred block were left: exactly those still fragile in the current state (an updated
+// element has v >= (1-b2) g^2, so it never is).
 #include <torch/extension.h>
 #include <algorithm>
 #include <cmath>
@@ -102,6 +105,41 @@ inline int64_t count_fragile(const float* __restrict v, const float* __restrict 
   return (int64_t)count;
 }
 
+// a if c else b, bit for bit, as a mask (GCC does not vectorise the loop below with a conditional select).
+inline float pick(bool c, float a, float b) {
+  uint32_t ia, ib;
+  std::memcpy(&ia, &a, 4);
+  std::memcpy(&ib, &b, 4);
+  const uint32_t mask = 0u - (uint32_t)c, r = (ia & mask) | (ib & ~mask);
+  float out;
+  std::memcpy(&out, &r, 4);
+  return out;
+}
+
+// block_step on the elements ``fragile`` selects (``only_fragile``) or on all the others (not), the rest
+// left as they are (a blend in the same vectorised pass); returns how many were fragile. Same operations as
+// block_step: the same bits.
+inline int64_t block_step_masked(float* __restrict p, float* __restrict m, float* __restrict v,
+                                 const float* __restrict g, int64_t len, float coef, bool only_fragile,
+                                 const Consts& c) {
+  int count = 0;
+#pragma omp simd reduction(+ : count)
+  for (int64_t i = 0; i < len; ++i) {
+    const float po = p[i], mo = m[i], vo = v[i], gi = g[i] * coef;
+    const bool f = fragile(vo, g[i], c);
+    const bool apply = f == only_fragile;
+    const float mi = std::fma(c.w1, gi - mo, mo);
+    const float vi = vo * c.b2 + c.w2 * gi * gi;
+    const float denom = std::sqrt(vi) / c.bc2_sqrt + c.eps;
+    const float pi = po * c.decay - c.step_size * mi / denom;
+    p[i] = pick(apply, pi, po);
+    m[i] = pick(apply, mi, mo);
+    v[i] = pick(apply, vi, vo);
+    count += f;
+  }
+  return count;
+}
+
 // Inverts block_step with coefficient 1 in float64, with the same float constants. At step 1 the moments
 // were zeros. (Fragile elements are then overwritten with their saved m and v by the caller.)
 inline void block_undo(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict g,
@@ -125,6 +163,19 @@ inline void block_undo(float* __restrict p, float* __restrict m, float* __restri
     m[i] = (float)((md - w1 * gi) / b1);
     const float vo = (float)((vd - w2 * gi * gi) / b2);
     v[i] = vo > 0.0f ? vo : 0.0f;  // (a clamp in float: GCC does not vectorise the loop with one in double)
+  }
+}
+
+// block_undo in a deferred block: its still-fragile elements were never updated and stay as they are.
+inline void block_undo_deferred(float* p, float* m, float* v, const float* g, int64_t len, const Consts& c) {
+  for (int64_t i0 = 0; i0 < len; i0 += 64) {
+    const int64_t n = std::min<int64_t>(64, len - i0);
+    if (count_fragile(v + i0, g + i0, n, c) == 0) {
+      block_undo(p + i0, m + i0, v + i0, g + i0, n, c);
+      continue;
+    }
+    for (int64_t i = i0; i < i0 + n; ++i)
+      if (!fragile(v[i], g[i], c)) block_undo(p + i, m + i, v + i, g + i, 1, c);
   }
 }
 
@@ -203,28 +254,31 @@ std::tuple<int64_t, torch::Tensor, torch::Tensor> adamw_speculate(
       const int64_t lo = b * kBlock, len = std::min(kBlock, t.n - lo);
       grad.load(gbuf, lo, len);
       float *P = t.P + lo, *M = t.M + lo, *V = t.V + lo;
-      const int64_t nf = c.first ? 0 : count_fragile(V, gbuf, len, c);
-      if (nf > room) {
-        flags[b] = 1;
+      if (c.first) {  // the moments are zeros: the undo restores them exactly, nothing is fragile
+        block_step(P, M, V, gbuf, len, 1.0f, c);
+        flags[b] = 0;
+        continue;
+      }
+      const int64_t nf = block_step_masked(P, M, V, gbuf, len, 1.0f, false, c);  // all but the fragile
+      flags[b] = nf > room;
+      if (nf == 0) continue;
+      if (nf > room) {  // deferred: they stay as they are
         ++count;
         continue;
       }
-      if (nf > 0) {
-        room -= nf;
-        for (int64_t i0 = 0; i0 < len; i0 += 64) {  // find them 64 at a time (vectorised), then one by one
-          const int64_t i1 = std::min(i0 + 64, len);
-          if (count_fragile(V + i0, gbuf + i0, i1 - i0, c) == 0) continue;
-          for (int64_t i = i0; i < i1; ++i) {
-            if (fragile(V[i], gbuf[i], c)) {
-              I.push_back((int32_t)(lo + i));
-              S.push_back(M[i]);
-              S.push_back(V[i]);
-            }
+      room -= nf;
+      for (int64_t i0 = 0; i0 < len; i0 += 64) {  // find them 64 at a time (vectorised), then one by one
+        const int64_t i1 = std::min(i0 + 64, len);
+        if (count_fragile(V + i0, gbuf + i0, i1 - i0, c) == 0) continue;
+        for (int64_t i = i0; i < i1; ++i) {
+          if (fragile(V[i], gbuf[i], c)) {
+            I.push_back((int32_t)(lo + i));
+            S.push_back(M[i]);
+            S.push_back(V[i]);
+            block_step(P + i, M + i, V + i, gbuf + i, 1, 1.0f, c);
           }
         }
       }
-      flags[b] = 0;
-      block_step(P, M, V, gbuf, len, 1.0f, c);
     }
   }
   int64_t k = 0;
@@ -263,20 +317,25 @@ void adamw_resolve(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Ten
 #pragma omp parallel for schedule(static) num_threads(nthreads(threads))
   for (int64_t b = 0; b < nb; ++b) {
     const bool was_deferred = flags != nullptr && flags[b] != 0;
-    if (!was_deferred && !undo) continue;
-    if (was_deferred && coef < 0.0) continue;
+    if (!was_deferred && !undo) continue;  // kept and complete: nothing to do
     const int64_t lo = b * kBlock, len = std::min(kBlock, t.n - lo);
     float gbuf[kBlock];
     grad.load(gbuf, lo, len);
     float *P = t.P + lo, *M = t.M + lo, *V = t.V + lo;
-    if (!was_deferred) {
-      block_undo(P, M, V, gbuf, len, c);
+    if (undo) {
+      if (was_deferred) {
+        block_undo_deferred(P, M, V, gbuf, len, c);
+      } else {
+        block_undo(P, M, V, gbuf, len, c);
+      }
       for (const int32_t* j = std::lower_bound(I, I + k, (int32_t)lo); j < I + k && *j < lo + len; ++j) {
         M[*j - lo] = S[2 * (j - I)];
         V[*j - lo] = S[2 * (j - I) + 1];
       }
+      if (coef >= 0.0) block_step(P, M, V, gbuf, len, cf, c);  // every element is at its old state now
+    } else {
+      block_step_masked(P, M, V, gbuf, len, cf, true, c);  // kept: the deferred (still fragile) elements
     }
-    if (coef >= 0.0) block_step(P, M, V, gbuf, len, cf, c);
   }
 }
 
