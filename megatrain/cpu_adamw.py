@@ -58,7 +58,10 @@ def extension():
 
 
 def name() -> str:
-    return "cpp-openmp" if extension() is not None else "torch-fused"
+    """The host kernel in use, with the build's ISA and extra flags (they decide its speed): rows record it."""
+    if extension() is None:
+        return "torch-fused"
+    return " ".join(["cpp-openmp", *kernels.isa_flags(), *kernels.extra_flags()])
 
 
 class HostKernel:

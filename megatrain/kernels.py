@@ -69,9 +69,13 @@ def isa_flags() -> list[str]:
     return []
 
 
+def extra_flags() -> list[str]:
+    """Flags appended by ``$MEGATRAIN_HOST_ADAMW_CFLAGS`` (e.g. ``-march=native``)."""
+    return os.environ.get("MEGATRAIN_HOST_ADAMW_CFLAGS", "").split()
+
+
 def cflags() -> list[str]:
-    extra = os.environ.get("MEGATRAIN_HOST_ADAMW_CFLAGS", "").split()
-    return ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", *isa_flags(), *extra]
+    return ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", *isa_flags(), *extra_flags()]
 
 
 def build_id(flags: list[str] | None = None, source: bytes | None = None) -> str:

@@ -149,7 +149,7 @@ print(cpu_adamw.name())
 """
     proc = run(code, {"MEGATRAIN_KERNEL_CACHE": str(prebuilt.parent)}, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1] == "cpp-openmp"
+    assert proc.stdout.strip().splitlines()[-1] == " ".join(["cpp-openmp", *kernels.isa_flags()])
 
 
 def _host_peak_gib(stdout: str) -> float:
