@@ -100,8 +100,10 @@ class EngineConfig:
     # difference (megatrain/link.py; CUDA only). None = the real link, untouched.
     host_link_gbps: Optional[float] = None
     # The host tier's AdamW (megatrain/streamed_update.py): "cpu" (the CPU kernel updates every host-tier
-    # group) or "hybrid" (after the norm, some groups' fp32 master, m and v are streamed through the GPU and
-    # updated there by the fused kernel while the CPU kernel updates the others; exact, clipping included).
+    # group), "hybrid" (after the norm, some groups' fp32 master, m and v are streamed through the GPU and
+    # updated there by the fused kernel while the CPU kernel updates the others; exact, clipping included) or
+    # "auto" (the placement plan predicts the step with each, megatrain/cost_model.py, and takes "hybrid"
+    # where it is CONTESTED_GAIN faster; "cpu" on a CPU run).
     update_path: str = "cpu"
     # With "hybrid": which host-tier groups take the GPU path. "auto": the split of the bandwidth model
     # (megatrain/update_split.py, rates measured at build on a GPU); or a comma list of group names
@@ -167,8 +169,8 @@ class EngineConfig:
             raise ValueError(f"gpu_margin_gib must be >= 0, got {self.gpu_margin_gib}")
         if self.host_link_gbps is not None and not self.host_link_gbps > 0:
             raise ValueError(f"host_link_gbps must be > 0 GB/s (None = the real link), got {self.host_link_gbps}")
-        if self.update_path not in ("cpu", "hybrid"):
-            raise ValueError(f"update_path must be 'cpu' or 'hybrid', got {self.update_path!r}")
+        if self.update_path not in ("cpu", "hybrid", "auto"):
+            raise ValueError(f"update_path must be 'cpu', 'hybrid' or 'auto', got {self.update_path!r}")
         if self.update_staging_gib < 0:
             raise ValueError(f"update_staging_gib must be >= 0, got {self.update_staging_gib}")
         self.gpu_path_groups = str(self.gpu_path_groups).strip()
