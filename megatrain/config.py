@@ -118,6 +118,12 @@ class EngineConfig:
     # the staging budget): after the norm only their update and download are left. How many: what the
     # backward's spare H2D bandwidth carries (measured after the first step) and the budget holds.
     gpu_path_prefetch: bool = False
+    # Cores of the host tier's CPU update (megatrain/host_adamw.py, HostAdamW.bind_cores): "none" (default: the
+    # OS schedules the worker's OpenMP threads anywhere), "all-but-N" (the main thread, which keeps the GPU fed,
+    # is bound to the N lowest-numbered cores this process may use, the update worker and the OpenMP teams it
+    # starts to the others, one kernel thread per core) or "auto" ("all-but-1" on a GPU run, none on the CPU).
+    # Off by default until measured on the H200 (sweep update_path, variants *_pinned).
+    host_update_cores: str = "none"
     attn_implementation: str = "sdpa"
     seed: int = 0
     # Saves kept in a checkpoint folder: ``save`` removes the engine's own step folders beyond the newest N.
@@ -173,6 +179,9 @@ class EngineConfig:
             raise ValueError(f"update_path must be 'cpu', 'hybrid' or 'auto', got {self.update_path!r}")
         if self.update_staging_gib < 0:
             raise ValueError(f"update_staging_gib must be >= 0, got {self.update_staging_gib}")
+        self.host_update_cores = str(self.host_update_cores).strip().lower()
+        if self.host_update_cores not in ("none", "auto"):
+            parse_all_but(self.host_update_cores)  # raises the one-line error
         self.gpu_path_groups = str(self.gpu_path_groups).strip()
         if not self.gpu_path_groups:
             raise ValueError("gpu_path_groups must be 'auto' or a comma list of host-tier group names")
@@ -200,3 +209,11 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def parse_all_but(setting: str) -> int:
+    """host_update_cores "all-but-N" -> N (>= 1); a one-line ValueError otherwise."""
+    head, _, n = setting.rpartition("-")
+    if head != "all-but" or not n.isdigit() or int(n) < 1:
+        raise ValueError(f"host_update_cores must be 'none', 'auto' or 'all-but-N' (N >= 1), got {setting!r}")
+    return int(n)

@@ -160,6 +160,9 @@ class MegaTrain:
                                          host_names=self.placement.host_names, grads_on_host=self.placement.grads == "host",
                                          staging_bytes=self._staging_bytes(), dist=dist,
                                          update_path=self.placement.update_path)
+        # host_update_cores (default none): after build_host_tier, whose rate measurement runs the kernel from
+        # this thread, so that its OpenMP team is not created inside the main thread's narrowed mask.
+        self.host_opt.bind_cores(cfg.host_update_cores, cuda=on_gpu)
         if verbose and self.placement.update_path != "cpu":
             print(f"[megatrain] {self.host_tier.summary()}", flush=True)
         self.optimizer = Optimizers([self.device_opt, self.host_tier], cfg.optim, cfg.speculate)
