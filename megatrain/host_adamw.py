@@ -73,6 +73,7 @@ class HostAdamW:
         self.early_groups = 0  # groups queued for an early (speculative) update
         self.rollbacks = 0  # steps whose early updates are undone (clipping fired or the norm was not finite)
         self.bound: tuple[list[int], list[int]] | None = None  # (worker cores, main-thread cores) when bound
+        self.bound_each = False  # the worker and its kernel team threads bound one core each
         self._main_restore: tuple[int, set[int]] | None = None  # (main thread id, its mask before binding)
         self._thread = threading.Thread(target=self._worker, name="megatrain-host-adamw", daemon=True)
         self._thread.start()
@@ -82,15 +83,19 @@ class HostAdamW:
         per ``setting`` (EngineConfig.host_update_cores, see ``update_cores``); the kernel then runs one
         thread per worker core. Call before the first update; ``close`` gives the main thread its mask back."""
         cores = update_cores(setting, cuda, os.sched_getaffinity(0))
-        if cores is None:
-            return
-        worker, main = cores
-        self._tasks.put(("bind", set(worker)))  # ahead of any update: its teams are created after this
-        self.wait_all()
-        self._main_restore = (threading.get_native_id(), os.sched_getaffinity(0))
-        os.sched_setaffinity(0, main)  # this thread only (Linux: the mask is per thread)
+        if cores is not None:
+            self.bind(*cores)
+
+    def bind(self, worker: list[int], main: list[int] | None) -> None:
+        """Bind the worker thread to ``worker`` cores and the kernel's OpenMP team to one of them each (see
+        ``_bind_worker``), and the calling thread to ``main`` (None: left as it is)."""
         self.kernel.threads = len(worker)
-        self.bound = (worker, main)
+        self._tasks.put(("bind", list(worker)))  # ahead of any update: its teams are created after this
+        self.wait_all()
+        if main is not None:
+            self._main_restore = (threading.get_native_id(), os.sched_getaffinity(0))
+            os.sched_setaffinity(0, main)  # this thread only (Linux: the mask is per thread)
+        self.bound = (list(worker), list(main or []))
 
     @property
     def worker_native_id(self) -> int | None:
@@ -167,7 +172,7 @@ class HostAdamW:
                 if task[0] == "early":
                     self._early(task[1], task[2])
                 elif task[0] == "bind":
-                    os.sched_setaffinity(0, task[1])  # this (worker) thread; its OpenMP teams inherit it
+                    self._bind_worker(task[1])
                 else:
                     self._finish(task[1], task[2])
             except BaseException as exc:  # surfaced on the main thread at the next call
@@ -178,6 +183,34 @@ class HostAdamW:
                 dt = time.perf_counter() - t0
                 self.busy_s += dt
                 self._tasks.task_done()
+
+    def _bind_worker(self, cores: list[int]) -> None:
+        """In the worker, before it runs any update: restrict it to ``cores`` (every OpenMP team it starts
+        inherits the set), then start the C++ kernel's team once (one thread per core) and bind the worker
+        and each team thread to a core of its own (libgomp keeps a master's team threads for its later
+        regions of that size), as DeepSpeed binds its CPU Adam. The team's threads are the threads that
+        appear during that first region (the main thread waits meanwhile); if they cannot be told apart
+        (another count, or no C++ kernel) the set binding stands. ``bound_each``: whether each is bound."""
+        os.sched_setaffinity(0, set(cores))
+        if self.kernel.ext is None or len(cores) < 2:
+            return
+        before = set(_thread_ids())
+        self.kernel.warm_up()
+        team = sorted(set(_thread_ids()) - before)
+        if len(team) != len(cores) - 1:
+            return
+        try:
+            for tid, core in zip(team, cores[1:]):
+                os.sched_setaffinity(tid, {core})
+        except OSError:  # a thread that was not the team's and has ended: keep the set binding
+            for tid in team:
+                try:
+                    os.sched_setaffinity(tid, set(cores))
+                except OSError:
+                    pass
+            return
+        os.sched_setaffinity(0, {cores[0]})
+        self.bound_each = True
 
     def _early(self, st: _StepState, name: str) -> None:
         flat, sqnorm, ready = st.grads[name]
@@ -258,3 +291,8 @@ def update_cores(setting: str, cuda: bool, allowed: set[int]) -> tuple[list[int]
         return None
     return cores[n:], cores[:n]
 
+
+
+def _thread_ids() -> list[int]:
+    """OS ids of this process's threads."""
+    return [int(t) for t in os.listdir("/proc/self/task")]

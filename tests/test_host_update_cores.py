@@ -73,6 +73,31 @@ def test_worker_and_its_teams_bound_away_from_the_main_thread():
 
 
 @needs_two_cores
+def test_each_kernel_thread_bound_to_a_core_of_its_own():
+    """Given two cores, the worker is bound to the first and the C++ kernel's second team thread, created by
+    the warm-up region, to the second; both keep their core through the steps that follow."""
+    spec = PRESETS["tiny-llama"]
+    engine = MegaTrain.from_config(spec.to_hf_config("eager"), engine_cfg(), verbose=False)
+    try:
+        if engine.host_opt.kernel.ext is None:
+            pytest.skip("the C++ host kernel is not built here")
+        c0, c1 = sorted(ALLOWED)[:2]
+        before = _thread_masks()
+        engine.host_opt.bind([c0, c1], None)  # the main thread left as it is
+        new = {tid: m for tid, m in _thread_masks().items() if tid not in before}
+        assert engine.host_opt.bound_each and engine.host_opt.kernel.threads == 2
+        assert os.sched_getaffinity(engine.host_opt.worker_native_id) == {c0}
+        assert list(new.values()) == [{c1}], new
+        assert os.sched_getaffinity(0) == ALLOWED
+        for b in batches(spec, steps=2):
+            engine.step(b)
+        assert os.sched_getaffinity(engine.host_opt.worker_native_id) == {c0}
+        assert all(os.sched_getaffinity(tid) == {c1} for tid in new)
+    finally:
+        engine.close()
+
+
+@needs_two_cores
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])  # untied, tied
 def test_parity_bound(preset):
     """The bound engine matches plain PyTorch (speculation and rollback included: clipping fires)."""
