@@ -3,8 +3,8 @@
 One model for every choice the planner makes (megatrain/placement.py): which groups live on the GPU tier,
 which checkpoint blocks keep their activations instead of recomputing them, where the host tier's gradients
 wait for the norm (``grad_placement``) and whether host-tier groups are updated through the GPU too
-(``update_path``). The plan predicts a step for each candidate and keeps the fastest that fits; the engine prints the prediction and reports it beside the measured step (``MegaTrain.info``), so the
-model stays honest.
+(``update_path``). The plan predicts a step for each candidate and keeps the fastest that fits; the engine
+prints the prediction and reports it beside the measured step (``MegaTrain.info``), so the model stays honest.
 
     rates = Rates()                                   # H200 defaults; measured values override them
     p = predict(StepLoad(...), rates)                 # -> Prediction(step_s, parts)
@@ -246,7 +246,8 @@ def hybrid_split(load: StepLoad, rates: Rates, cpu_rate: float,
     host group (forward order), whether it takes the GPU path."""
     groups = _host_groups(load)
     names = [f"g{i}" for i in range(len(groups))]
-    urates = update_split.UpdateRates(cpu_gps=cpu_rate, cpu_loaded_gps=min(cpu_rate, rates.cpu_adamw_under_copy_gparams),
+    urates = update_split.UpdateRates(cpu_gps=cpu_rate,
+                                      cpu_loaded_gps=min(cpu_rate, rates.cpu_adamw_under_copy_gparams),
                                       h2d_gbs=rates.h2d_gbps * rates.link_both_ways,
                                       d2h_gbs=rates.d2h_gbps * rates.link_both_ways, gpu_gps=rates.gpu_adamw_gparams)
     kept_all = load.gpu_path_staging_bytes - GPU_PATH_ROTATING_BYTES >= 4 * sum(groups)

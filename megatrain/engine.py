@@ -200,13 +200,15 @@ class MegaTrain:
                               on_gpu=on_gpu, gpu_free=gpu_free, host_available=memory.available_host_bytes(),
                               gpu_margin=int(cfg.gpu_margin_gib * placement.GIB),
                               host_margin=int(cfg.host_margin_gib * placement.GIB), tiers=tiers,
-                              grads=cfg.grad_placement, kept=keep, rates=rates, update_path="cpu" if (self.dist and cfg.update_path == "auto") else cfg.update_path,
+                              grads=cfg.grad_placement, kept=keep, rates=rates,
+                              update_path="cpu" if (self.dist and cfg.update_path == "auto") else cfg.update_path,
                               staging_reserve=int(cfg.update_staging_gib * placement.GIB) if on_gpu else 0)
 
     def _staging_reserve_gib(self) -> float:
         """GPU memory the plan kept free for the host tier's GPU update path (update_path "hybrid", or "auto"
         resolved to it by the plan)."""
-        return self.cfg.update_staging_gib if (self.placement.update_path == "hybrid" and self.device.type == "cuda") else 0.0
+        hybrid = self.placement.update_path == "hybrid" and self.device.type == "cuda"
+        return self.cfg.update_staging_gib if hybrid else 0.0
 
     def _staging_bytes(self) -> float:
         """GPU bytes the GPU update path may hold: the reserve plus what the plan leaves unused (90 % of it:

@@ -179,7 +179,8 @@ def _clamp(value: float, measured: float) -> float:
 
 
 def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host_names: list[str],
-                    grads_on_host: bool, staging_bytes: float, dist=None, update_path: str | None = None) -> HybridHostAdamW:
+                    grads_on_host: bool, staging_bytes: float, dist=None,
+                    update_path: str | None = None) -> HybridHostAdamW:
     """The host tier's optimizer for ``cfg`` (an EngineConfig): ``cpu_opt`` alone (update path "cpu"), or with
     the GPU path, its split forced (``gpu_path_groups`` names) or planned from measured rates ("auto").
     ``update_path``: the path the plan resolved ("cpu" | "hybrid"; default ``cfg.update_path``, which must
