@@ -209,6 +209,10 @@ class HostAdamW:
                 except OSError:
                     pass
             return
+        # torch's own team for this thread (its CPU ops here, e.g. a bf16 shadow's refresh; another OpenMP
+        # runtime than the extension's, or the same one's larger team) is created now, over every worker
+        # core: a team created after the next line would inherit the worker's one core.
+        torch.ones(1 << 22).mul_(2.0)
         os.sched_setaffinity(0, {cores[0]})
         self.bound_each = True
 

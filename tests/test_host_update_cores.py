@@ -87,12 +87,14 @@ def test_each_kernel_thread_bound_to_a_core_of_its_own():
         new = {tid: m for tid, m in _thread_masks().items() if tid not in before}
         assert engine.host_opt.bound_each and engine.host_opt.kernel.threads == 2
         assert os.sched_getaffinity(engine.host_opt.worker_native_id) == {c0}
-        assert list(new.values()) == [{c1}], new
+        team = [tid for tid, m in new.items() if m == {c1}]
+        assert len(team) == 1, new  # the kernel's second thread; torch's team (if another) over both cores
+        assert all(m in ({c1}, {c0, c1}) for m in new.values()), new
         assert os.sched_getaffinity(0) == ALLOWED
         for b in batches(spec, steps=2):
             engine.step(b)
         assert os.sched_getaffinity(engine.host_opt.worker_native_id) == {c0}
-        assert all(os.sched_getaffinity(tid) == {c1} for tid in new)
+        assert os.sched_getaffinity(team[0]) == {c1}
     finally:
         engine.close()
 
