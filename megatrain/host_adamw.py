@@ -19,8 +19,9 @@ group (``wait_group``), so the update overlaps the next forward (and, speculativ
 Core binding (``bind_cores``, EngineConfig.host_update_cores, off by default): the worker thread restricts
 itself to a set of cores before it runs any kernel, so the OpenMP teams it starts (the C++ kernel's and
 torch's, one pool per thread that starts a parallel region) inherit that set, and the main thread, which
-keeps the GPU fed, gets the cores left out. Linux gives a new thread its creator's affinity mask, and a team
-is created by its first parallel region: binding must come first, hence a task queued ahead of any update.
+keeps the GPU fed, gets the cores left out; then the kernel's team threads and the worker are bound to one
+core each (``_bind_worker``). Linux gives a new thread its creator's affinity mask, and a team is created by
+its first parallel region: binding must come first, hence a task queued ahead of any update.
 """
 from __future__ import annotations
 
@@ -82,6 +83,12 @@ class HostAdamW:
         """Bind the worker (and the OpenMP teams it starts) and the calling (main) thread to disjoint cores,
         per ``setting`` (EngineConfig.host_update_cores, see ``update_cores``); the kernel then runs one
         thread per worker core. Call before the first update; ``close`` gives the main thread its mask back."""
+        if str(setting).strip().lower() == "none":
+            return
+        if not hasattr(os, "sched_setaffinity"):  # Linux only
+            warnings.warn(f"host_update_cores={setting!r}: this OS cannot bind threads to cores; not bound",
+                          RuntimeWarning, stacklevel=2)
+            return
         cores = update_cores(setting, cuda, os.sched_getaffinity(0))
         if cores is not None:
             self.bind(*cores)
