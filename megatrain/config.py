@@ -100,8 +100,10 @@ class EngineConfig:
     # difference (megatrain/link.py; CUDA only). None = the real link, untouched.
     host_link_gbps: Optional[float] = None
     # The host tier's AdamW (megatrain/streamed_update.py): "cpu" (the CPU kernel updates every host-tier
-    # group) or "hybrid" (after the norm, some groups' fp32 master, m and v are streamed through the GPU and
-    # updated there by the fused kernel while the CPU kernel updates the others; exact, clipping included).
+    # group), "hybrid" (after the norm, some groups' fp32 master, m and v are streamed through the GPU and
+    # updated there by the fused kernel while the CPU kernel updates the others; exact, clipping included) or
+    # "auto" (the placement plan predicts the step with each, megatrain/cost_model.py, and takes "hybrid"
+    # where it is CONTESTED_GAIN faster; "cpu" on a CPU run).
     update_path: str = "cpu"
     # With "hybrid": which host-tier groups take the GPU path. "auto": the split of the bandwidth model
     # (megatrain/update_split.py, rates measured at build on a GPU); or a comma list of group names
@@ -116,6 +118,12 @@ class EngineConfig:
     # the staging budget): after the norm only their update and download are left. How many: what the
     # backward's spare H2D bandwidth carries (measured after the first step) and the budget holds.
     gpu_path_prefetch: bool = False
+    # Cores of the host tier's CPU update (megatrain/host_adamw.py, HostAdamW.bind_cores): "none" (default: the
+    # OS schedules the worker's OpenMP threads anywhere), "all-but-N" (the main thread, which keeps the GPU fed,
+    # is bound to the N lowest-numbered cores this process may use, the update worker and the OpenMP teams it
+    # starts to the others, one kernel thread per core) or "auto" ("all-but-1" on a GPU run, none on the CPU).
+    # Off by default until measured on the H200 (sweep update_path, variants *_pinned).
+    host_update_cores: str = "none"
     attn_implementation: str = "sdpa"
     seed: int = 0
     # Saves kept in a checkpoint folder: ``save`` removes the engine's own step folders beyond the newest N.
@@ -167,10 +175,13 @@ class EngineConfig:
             raise ValueError(f"gpu_margin_gib must be >= 0, got {self.gpu_margin_gib}")
         if self.host_link_gbps is not None and not self.host_link_gbps > 0:
             raise ValueError(f"host_link_gbps must be > 0 GB/s (None = the real link), got {self.host_link_gbps}")
-        if self.update_path not in ("cpu", "hybrid"):
-            raise ValueError(f"update_path must be 'cpu' or 'hybrid', got {self.update_path!r}")
+        if self.update_path not in ("cpu", "hybrid", "auto"):
+            raise ValueError(f"update_path must be 'cpu', 'hybrid' or 'auto', got {self.update_path!r}")
         if self.update_staging_gib < 0:
             raise ValueError(f"update_staging_gib must be >= 0, got {self.update_staging_gib}")
+        self.host_update_cores = str(self.host_update_cores).strip().lower()
+        if self.host_update_cores not in ("none", "auto"):
+            parse_all_but(self.host_update_cores)  # raises the one-line error
         self.gpu_path_groups = str(self.gpu_path_groups).strip()
         if not self.gpu_path_groups:
             raise ValueError("gpu_path_groups must be 'auto' or a comma list of host-tier group names")
@@ -198,3 +209,11 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def parse_all_but(setting: str) -> int:
+    """host_update_cores "all-but-N" -> N (>= 1); a one-line ValueError otherwise."""
+    head, _, n = setting.rpartition("-")
+    if head != "all-but" or not n.isdigit() or int(n) < 1:
+        raise ValueError(f"host_update_cores must be 'none', 'auto' or 'all-but-N' (N >= 1), got {setting!r}")
+    return int(n)

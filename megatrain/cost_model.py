@@ -1,10 +1,10 @@
 """The step-time model: one step's predicted time, and its parts, from measured rates.
 
 One model for every choice the planner makes (megatrain/placement.py): which groups live on the GPU tier,
-which checkpoint blocks keep their activations instead of recomputing them, and (later) which host-tier
-groups are updated through the GPU. The plan predicts a step for each candidate and keeps the fastest that
-fits; the engine prints the prediction and reports it beside the measured step (``MegaTrain.info``), so the
-model stays honest.
+which checkpoint blocks keep their activations instead of recomputing them, where the host tier's gradients
+wait for the norm (``grad_placement``) and whether host-tier groups are updated through the GPU too
+(``update_path``). The plan predicts a step for each candidate and keeps the fastest that fits; the engine
+prints the prediction and reports it beside the measured step (``MegaTrain.info``), so the model stays honest.
 
     rates = Rates()                                   # H200 defaults; measured values override them
     p = predict(StepLoad(...), rates)                 # -> Prediction(step_s, parts)
@@ -22,7 +22,11 @@ The model (clipping firing every step, the regime every sweep row measures; see 
                                                         ones too (their weights are not held from the forward)
     host update  P_host / cpu rate                      the host AdamW after the norm, overlapping the next
                                                         forward: what the forward does not cover is exposed,
-                                                        max(0, host update - forward)
+                                                        max(0, host update - forward); never faster than its
+                                                        gradients come down (c B/param D2H, grad_placement gpu)
+                 or the hybrid split's time               update_path="hybrid": update_split.plan_split over the
+                                                        CPU and the link each way (the same CPU rate, so "cpu"
+                                                        is the split with no GPU-path group)
     GPU update   P_gpu / device rate                    fused AdamW on the device, serial after the backward
     step = forward + exposed host update + loss + backward + GPU update
 
@@ -30,13 +34,21 @@ F, R, B come from FLOPs at ``gpu_tflops`` (forward 2 P T + 4 h s T, recompute th
 unless measured per-layer times are given. With ``speculate`` (clipping not firing) the host update runs
 during the backward instead: exposed = max(0, host update - backward).
 
-Adding a term (e.g. a GPU update path for host-tier groups): give ``StepLoad`` the field the plan decides
-(how many host-tier parameters take that path), ``Rates`` the measured rate it runs at, and ``predict`` the
-term under its own name in ``parts`` and in the step's sum; the planner then weighs it with the rest.
+grad_placement="host" (``grads_on_host``): each host-tier layer's gradient leaves during the backward (fp32,
+4 B/param D2H) while the next layers' weights come in, both directions at ``link_both_ways`` of their rate
+alone: a host layer's backward is max(B + R, load, gradient out); the CPU update then reads an fp32 gradient
+from host RAM (28 B/param moved instead of 24 + c: its rate scales by that ratio) and waits for no D2H.
+
+Adding a term: give ``StepLoad`` the field the plan decides, ``Rates`` the measured rate it runs at, and
+``predict`` the term under its own name in ``parts`` and in the step's sum; the planner then weighs it with
+the rest (the GPU update path above was added so: ``update_path``, ``host_group_params``).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
+
+from . import update_split
 
 GB = 1e9
 
@@ -57,6 +69,15 @@ H200_GPU_ADAMW_GPARAMS = 100.0
 # A GPU-tier layer's "load" is a cast of its fp32 master into a slot on the device: 4 B read + c written per
 # parameter. Not measured; half the H200's 4.8 TB/s HBM peak.
 H200_GPU_CAST_GBPS = 2400.0
+# Each direction's rate while the other runs too (pinned copies both ways at once on the H200 node: 46 GB/s each
+# way against 55.3 / 55.2 alone, DESIGN.md 2026-12-02).
+H200_LINK_BOTH_WAYS = 46.0 / 55.3
+# Bytes the CPU AdamW moves per parameter besides the gradient: fp32 p, m, v read and written.
+CPU_STATE_BYTES = 24
+# The GPU update path's rotating buffers (megatrain/streamed_update.py: two p, m, v chunks of 32M elements and
+# one chunk's fp32 gradient, plus its upload with grad_placement="host"): what its staging holds before any
+# kept master.
+GPU_PATH_ROTATING_BYTES = (2 * 12 + 4 + 4) * (1 << 25)
 
 
 def layer_tflops(hidden: int, table=H200_LAYER_TFLOPS) -> float:
@@ -84,6 +105,7 @@ class Rates:
     cpu_adamw_under_copy_gparams: float = H200_CPU_ADAMW_UNDER_COPY_GPARAMS  # while weights stream over PCIe
     gpu_adamw_gparams: float = H200_GPU_ADAMW_GPARAMS
     gpu_cast_gbps: float = H200_GPU_CAST_GBPS  # bytes read + written per second by a slot cast (GPU tier)
+    link_both_ways: float = H200_LINK_BOTH_WAYS  # share of each direction's rate left while the other runs
     gpu_bytes: int | None = None  # GPU memory (for reports; the plan takes its budget from the device)
     host_bytes: int | None = None
 
@@ -109,6 +131,14 @@ class StepLoad:
     speculate: bool = False  # clipping not expected: the host update runs during the backward
     passes: int = 1  # passes over the layers per step (micro_batch_schedule="sequential": one per micro-batch)
     compute_bytes: int = 2  # bytes of a slot's weights per parameter (a GPU-tier layer's cast writes them)
+    grads_on_host: bool = False  # grad_placement="host": host-tier gradients go out (fp32) during the backward
+    update_path: str = "cpu"  # the host tier's update: "cpu" (CPU kernel) or "hybrid" (+ the GPU update path)
+    # Host-tier groups' parameters in the order the next forward needs them (embed, layers, final), for the
+    # hybrid split; None: the embedding / head sum first, then the host layers.
+    host_group_params: list[int] | None = None
+    # GPU memory the GPU update path may hold (rotating buffers, then kept masters, 4 B/param); with all
+    # masters kept, a GPU-path group's next load is a cast on the GPU (no bytes over the link)
+    gpu_path_staging_bytes: float = math.inf
 
     @property
     def params_gpu(self) -> int:
@@ -131,7 +161,15 @@ class Prediction:
         return (f"predicted step {self.step_s:.3f} s = forward {p['forward_s']:.3f} + exposed host update "
                 f"{p['host_update_exposed_s']:.3f} + loss {p['loss_s']:.3f} + backward {p['backward_s']:.3f} "
                 f"(recompute {p['recompute_s']:.3f}) + GPU update {p['gpu_update_s']:.3f}; host update "
-                f"{p['host_update_s']:.3f}, weights in {p['h2d_s']:.3f}, gradients out {p['d2h_s']:.3f}")
+                f"{p['host_update_s']:.3f}{self._hybrid_text()}, weights in {p['h2d_s']:.3f}, gradients out "
+                f"{p['d2h_s']:.3f}")
+
+    def _hybrid_text(self) -> str:
+        p = self.parts
+        if "gpu_path_groups" not in p:
+            return ""
+        return (f" (update_path hybrid: {p['gpu_path_groups']:.0f} groups on the GPU path; CPU kernel alone "
+                f"{p['host_update_cpu_only_s']:.3f})")
 
 
 def layer_times(load: StepLoad, rates: Rates, params: int) -> tuple[float, float, float]:
@@ -149,27 +187,73 @@ def predict(load: StepLoad, rates: Rates | None = None) -> Prediction:
     rates = rates or Rates()
     fwd = bwd = recompute = h2d = 0.0
     n = max(1, load.passes)
+    both = rates.link_both_ways
     for params, on_gpu, kept in zip(load.layer_params, load.layer_on_gpu, load.layer_kept):
         f, r, b = layer_times(load, rates, params)
+        out = 0.0
         if on_gpu:  # a cast on the device
-            move = params * (4 + load.compute_bytes) / (rates.gpu_cast_gbps * GB)
+            move = move_bwd = params * (4 + load.compute_bytes) / (rates.gpu_cast_gbps * GB)
         else:
-            move = params * load.stream_bytes / (rates.h2d_gbps * GB)
+            move = move_bwd = params * load.stream_bytes / (rates.h2d_gbps * GB)
             h2d += 2 * n * move  # forward and backward: a kept layer is loaded again for its backward
+            if load.grads_on_host:  # its gradient goes out during the backward, beside the loads coming in
+                move_bwd = move / both
+                out = params * 4 / (rates.d2h_gbps * both * GB)
         r = 0.0 if kept else r
         recompute += r
         # each pass computes 1/n of the tokens; its loads are prefetched behind the layer before
         fwd += n * max(f / n, move)
-        bwd += n * max((b + r) / n, move)
+        bwd += max(n * max((b + r) / n, move_bwd), out)
     # embedding / head on the host tier: one load per step (resident compute copies)
     h2d += load.other_params_host * 4 / (rates.h2d_gbps * GB)
-    d2h = load.params_host * load.grad_bytes / (rates.d2h_gbps * GB)
+    grad_bytes = 4 if load.grads_on_host else load.grad_bytes
+    d2h = load.params_host * grad_bytes / (rates.d2h_gbps * GB)
     loss = 6 * load.vocab * load.hidden * load.tokens / ((rates.gpu_tflops or layer_tflops(load.hidden)) * 1e12)
     host_rate = rates.cpu_adamw_under_copy_gparams if any(not g for g in load.layer_on_gpu) else rates.cpu_adamw_gparams
+    if load.grads_on_host:  # it reads an fp32 gradient from host RAM: 28 B/param instead of 24 + c
+        host_rate *= (CPU_STATE_BYTES + load.compute_bytes) / (CPU_STATE_BYTES + 4)
     host_update = load.params_host / (host_rate * GB)
+    if not load.grads_on_host and not load.speculate:  # after the norm it pulls its gradients down as it goes
+        host_update = max(host_update, load.params_host * load.grad_bytes / (rates.d2h_gbps * both * GB))
     gpu_update = load.params_gpu / (rates.gpu_adamw_gparams * GB)
     covered = bwd if load.speculate else fwd
-    exposed = max(0.0, host_update - covered)
     parts = dict(forward_s=fwd, loss_s=loss, backward_s=bwd, recompute_s=recompute, host_update_s=host_update,
-                 host_update_exposed_s=exposed, gpu_update_s=gpu_update, h2d_s=h2d, d2h_s=d2h)
+                 host_update_exposed_s=0.0, gpu_update_s=gpu_update, h2d_s=h2d, d2h_s=d2h)
+    if load.update_path == "hybrid" and load.params_host:
+        split, on_gpu_path = hybrid_split(load, rates, host_rate, backward_s=bwd)
+        parts.update(host_update_cpu_only_s=host_update, gpu_path_groups=float(len(split.gpu)),
+                     gpu_path_params=float(sum(p for p, on in zip(_host_groups(load), on_gpu_path) if on)))
+        # plan_split's time runs from the norm (a speculative CPU path's head start already spent)
+        host_update = split.predicted_s + (bwd if load.speculate else 0.0)
+        parts["host_update_s"] = host_update
+    exposed = max(0.0, host_update - covered)
+    parts["host_update_exposed_s"] = exposed
     return Prediction(step_s=fwd + exposed + loss + bwd + gpu_update, parts=parts)
+
+
+def _host_groups(load: StepLoad) -> list[int]:
+    if load.host_group_params is not None:
+        return list(load.host_group_params)
+    layers = [p for p, g in zip(load.layer_params, load.layer_on_gpu) if not g]
+    return ([load.other_params_host] if load.other_params_host else []) + layers
+
+
+def hybrid_split(load: StepLoad, rates: Rates, cpu_rate: float,
+                 backward_s: float) -> tuple["update_split.Split", list[bool]]:
+    """The host tier's update split between the CPU kernel and the GPU update path (update_split.plan_split)
+    at these rates: the CPU at ``cpu_rate`` Gparam/s (the rate the CPU-only term uses, so that the two are
+    compared on one footing), the link at its rate with both directions running. Returns the split and, per
+    host group (forward order), whether it takes the GPU path."""
+    groups = _host_groups(load)
+    names = [f"g{i}" for i in range(len(groups))]
+    urates = update_split.UpdateRates(cpu_gps=cpu_rate,
+                                      cpu_loaded_gps=min(cpu_rate, rates.cpu_adamw_under_copy_gparams),
+                                      h2d_gbs=rates.h2d_gbps * rates.link_both_ways,
+                                      d2h_gbs=rates.d2h_gbps * rates.link_both_ways, gpu_gps=rates.gpu_adamw_gparams)
+    kept_all = load.gpu_path_staging_bytes - GPU_PATH_ROTATING_BYTES >= 4 * sum(groups)
+    split = update_split.plan_split(
+        list(zip(names, groups)), urates, speculative=load.speculate, backward_s=backward_s,
+        stream_bytes=load.stream_bytes, grad_bytes=0 if load.grads_on_host else load.grad_bytes,
+        grad_up_bytes=4 if load.grads_on_host else 0, gpu_load_bytes=0 if kept_all else load.stream_bytes)
+    chosen = set(split.gpu)
+    return split, [x in chosen for x in names]

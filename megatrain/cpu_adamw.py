@@ -78,6 +78,13 @@ class HostKernel:
         self.deferred_blocks = 0  # cumulative counts, for tests and stats
         self.saved_elements = 0
 
+    def warm_up(self) -> None:
+        """One parallel region of ``threads`` threads on scratch memory (the OpenMP team is created by the
+        calling thread's first region; megatrain/host_adamw.py binds its threads after this)."""
+        n = BLOCK * self.threads
+        p, m, v = (torch.zeros(n) for _ in range(3))
+        self.step(p, torch.zeros(n, dtype=torch.bfloat16), m, v, torch.ones(()), 0.0, 1.0)
+
     def _args(self, step_t, lr):
         cfg = self.cfg
         return lr, cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay, float(step_t), self.threads

@@ -158,8 +158,12 @@ class MegaTrain:
         # The host tier's optimizer: the CPU kernel alone, or with the GPU update path (update_path="hybrid").
         self.host_tier = build_host_tier(self.host_opt, store=self.store, cfg=cfg, streams=self.streams,
                                          host_names=self.placement.host_names, grads_on_host=self.placement.grads == "host",
-                                         staging_bytes=self._staging_bytes(), dist=dist)
-        if verbose and cfg.update_path != "cpu":
+                                         staging_bytes=self._staging_bytes(), dist=dist,
+                                         update_path=self.placement.update_path)
+        # host_update_cores (default none): after build_host_tier, whose rate measurement runs the kernel from
+        # this thread, so that its OpenMP team is not created inside the main thread's narrowed mask.
+        self.host_opt.bind_cores(cfg.host_update_cores, cuda=on_gpu)
+        if verbose and self.placement.update_path != "cpu":
             print(f"[megatrain] {self.host_tier.summary()}", flush=True)
         self.optimizer = Optimizers([self.device_opt, self.host_tier], cfg.optim, cfg.speculate)
 
@@ -194,13 +198,17 @@ class MegaTrain:
         gpu_free = memory.gpu_free_bytes(self.device) if on_gpu else 0
         return placement.plan({g.name: g.numel for g in self.groups}, shape, setting=cfg.gpu_resident,
                               on_gpu=on_gpu, gpu_free=gpu_free, host_available=memory.available_host_bytes(),
-                              gpu_margin=int((cfg.gpu_margin_gib + self._staging_reserve_gib()) * placement.GIB),
+                              gpu_margin=int(cfg.gpu_margin_gib * placement.GIB),
                               host_margin=int(cfg.host_margin_gib * placement.GIB), tiers=tiers,
-                              grads=cfg.grad_placement, kept=keep, rates=rates)
+                              grads=cfg.grad_placement, kept=keep, rates=rates,
+                              update_path="cpu" if (self.dist and cfg.update_path == "auto") else cfg.update_path,
+                              staging_reserve=int(cfg.update_staging_gib * placement.GIB) if on_gpu else 0)
 
     def _staging_reserve_gib(self) -> float:
-        """GPU memory the plan keeps free for the host tier's GPU update path (update_path="hybrid")."""
-        return self.cfg.update_staging_gib if (self.cfg.update_path == "hybrid" and self.device.type == "cuda") else 0.0
+        """GPU memory the plan kept free for the host tier's GPU update path (update_path "hybrid", or "auto"
+        resolved to it by the plan)."""
+        hybrid = self.placement.update_path == "hybrid" and self.device.type == "cuda"
+        return self.cfg.update_staging_gib if hybrid else 0.0
 
     def _staging_bytes(self) -> float:
         """GPU bytes the GPU update path may hold: the reserve plus what the plan leaves unused (90 % of it:
@@ -617,7 +625,7 @@ class MegaTrain:
                                    "grad_placement": plan.grads, "mlp_chunk_tokens": plan.mlp_chunk_tokens,
                                    **self.info,
                                    "skipped_steps": self.skipped_steps,
-                                   "update_path": self.cfg.update_path,
+                                   "update_path": self.placement.update_path,
                                    "gpu_path_staging_bytes": self.host_tier.gpu.staging_bytes if self.host_tier.gpu else 0,
                                    "pool_slots": self.num_pool_slots, "h2d_loads": self.pool.loads})
         if self.device.type == "cuda":

@@ -15,17 +15,27 @@ Exact clipping needs the global norm, known only after the backward. Two schedul
 
 Either way the work runs in the worker thread and the next step's load of a group waits only for that
 group (``wait_group``), so the update overlaps the next forward (and, speculatively, this backward).
+
+Core binding (``bind_cores``, EngineConfig.host_update_cores, off by default): the worker thread restricts
+itself to a set of cores before it runs any kernel, so the OpenMP teams it starts (the C++ kernel's and
+torch's, one pool per thread that starts a parallel region) inherit that set, and the main thread, which
+keeps the GPU fed, gets the cores left out; then the kernel's team threads and the worker are bound to one
+core each (``_bind_worker``). Linux gives a new thread its creator's affinity mask, and a team is created by
+its first parallel region: binding must come first, hence a task queued ahead of any update.
 """
 from __future__ import annotations
 
 import math
+import os
 import queue
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
+from .config import parse_all_but
 from .cpu_adamw import HostKernel
 from .grad_offload import GradStream
 from .store import ModelStore
@@ -63,8 +73,41 @@ class HostAdamW:
         self.busy_s = 0.0  # worker time spent updating (incl. waiting for D2H chunks)
         self.early_groups = 0  # groups queued for an early (speculative) update
         self.rollbacks = 0  # steps whose early updates are undone (clipping fired or the norm was not finite)
+        self.bound: tuple[list[int], list[int]] | None = None  # (worker cores, main-thread cores) when bound
+        self.bound_each = False  # the worker and its kernel team threads bound one core each
+        self._main_restore: tuple[int, set[int]] | None = None  # (main thread id, its mask before binding)
         self._thread = threading.Thread(target=self._worker, name="megatrain-host-adamw", daemon=True)
         self._thread.start()
+
+    def bind_cores(self, setting: str, cuda: bool) -> None:
+        """Bind the worker (and the OpenMP teams it starts) and the calling (main) thread to disjoint cores,
+        per ``setting`` (EngineConfig.host_update_cores, see ``update_cores``); the kernel then runs one
+        thread per worker core. Call before the first update; ``close`` gives the main thread its mask back."""
+        if str(setting).strip().lower() == "none":
+            return
+        if not hasattr(os, "sched_setaffinity"):  # Linux only
+            warnings.warn(f"host_update_cores={setting!r}: this OS cannot bind threads to cores; not bound",
+                          RuntimeWarning, stacklevel=2)
+            return
+        cores = update_cores(setting, cuda, os.sched_getaffinity(0))
+        if cores is not None:
+            self.bind(*cores)
+
+    def bind(self, worker: list[int], main: list[int] | None) -> None:
+        """Bind the worker thread to ``worker`` cores and the kernel's OpenMP team to one of them each (see
+        ``_bind_worker``), and the calling thread to ``main`` (None: left as it is)."""
+        self.kernel.threads = len(worker)
+        self._tasks.put(("bind", list(worker)))  # ahead of any update: its teams are created after this
+        self.wait_all()
+        if main is not None:
+            self._main_restore = (threading.get_native_id(), os.sched_getaffinity(0))
+            os.sched_setaffinity(0, main)  # this thread only (Linux: the mask is per thread)
+        self.bound = (list(worker), list(main or []))
+
+    @property
+    def worker_native_id(self) -> int | None:
+        """The worker thread's OS thread id (its affinity: ``os.sched_getaffinity(id)``)."""
+        return self._thread.native_id
 
     # -- called by the engine (main thread) ------------------------------------------------------------
     def begin_step(self, step: int, speculate: bool) -> None:
@@ -111,6 +154,13 @@ class HostAdamW:
             self._tasks.put(None)
             self._thread.join(timeout=60)
         self.grad_stream.close()
+        if self._main_restore is not None:  # the main thread gets every core it had back
+            tid, mask = self._main_restore
+            self._main_restore = None
+            try:
+                os.sched_setaffinity(tid, mask)
+            except OSError:  # that thread has ended: nothing to give back
+                pass
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -128,6 +178,8 @@ class HostAdamW:
             try:
                 if task[0] == "early":
                     self._early(task[1], task[2])
+                elif task[0] == "bind":
+                    self._bind_worker(task[1])
                 else:
                     self._finish(task[1], task[2])
             except BaseException as exc:  # surfaced on the main thread at the next call
@@ -138,6 +190,38 @@ class HostAdamW:
                 dt = time.perf_counter() - t0
                 self.busy_s += dt
                 self._tasks.task_done()
+
+    def _bind_worker(self, cores: list[int]) -> None:
+        """In the worker, before it runs any update: restrict it to ``cores`` (every OpenMP team it starts
+        inherits the set), then start the C++ kernel's team once (one thread per core) and bind the worker
+        and each team thread to a core of its own (libgomp keeps a master's team threads for its later
+        regions of that size), as DeepSpeed binds its CPU Adam. The team's threads are the threads that
+        appear during that first region (the main thread waits meanwhile); if they cannot be told apart
+        (another count, or no C++ kernel) the set binding stands. ``bound_each``: whether each is bound."""
+        os.sched_setaffinity(0, set(cores))
+        if self.kernel.ext is None or len(cores) < 2:
+            return
+        before = set(_thread_ids())
+        self.kernel.warm_up()
+        team = sorted(set(_thread_ids()) - before)
+        if len(team) != len(cores) - 1:
+            return
+        try:
+            for tid, core in zip(team, cores[1:]):
+                os.sched_setaffinity(tid, {core})
+        except OSError:  # a thread that was not the team's and has ended: keep the set binding
+            for tid in team:
+                try:
+                    os.sched_setaffinity(tid, set(cores))
+                except OSError:
+                    pass
+            return
+        # torch's own team for this thread (its CPU ops here, e.g. a bf16 shadow's refresh; another OpenMP
+        # runtime than the extension's, or the same one's larger team) is created now, over every worker
+        # core: a team created after the next line would inherit the worker's one core.
+        torch.ones(1 << 22).mul_(2.0)
+        os.sched_setaffinity(0, {cores[0]})
+        self.bound_each = True
 
     def _early(self, st: _StepState, name: str) -> None:
         flat, sqnorm, ready = st.grads[name]
@@ -198,3 +282,28 @@ class HostAdamW:
             elif coef is not None:
                 self.kernel.step(p[a:b], g, m[a:b], v[a:b], st.steps[name], lr, coef, speculative=speculative)
         st.refresh_shadow(name, lo, hi)
+
+
+def update_cores(setting: str, cuda: bool, allowed: set[int]) -> tuple[list[int], list[int]] | None:
+    """EngineConfig.host_update_cores -> (cores for the update worker and its OpenMP teams, cores left to the
+    main thread), from the cores this process may use (``allowed``), or None (no binding).
+
+    "none": no binding. "all-but-N": the main thread gets the N lowest-numbered allowed cores, the worker the
+    rest. "auto": "all-but-1" on a GPU run (the main thread keeps the GPU fed while the worker updates); none
+    on a CPU run (the main thread computes there: it needs every core). Fewer than N + 1 cores: no binding."""
+    setting = str(setting).strip().lower()
+    if setting == "none" or (setting == "auto" and not cuda):
+        return None
+    n = 1 if setting == "auto" else parse_all_but(setting)
+    cores = sorted(allowed)
+    if len(cores) <= n:
+        warnings.warn(f"host_update_cores={setting!r}: this process may use {len(cores)} cores, not more than "
+                      f"{n}; the host update is not bound", RuntimeWarning, stacklevel=3)
+        return None
+    return cores[n:], cores[:n]
+
+
+
+def _thread_ids() -> list[int]:
+    """OS ids of this process's threads."""
+    return [int(t) for t in os.listdir("/proc/self/task")]

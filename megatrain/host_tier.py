@@ -179,11 +179,16 @@ def _clamp(value: float, measured: float) -> float:
 
 
 def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host_names: list[str],
-                    grads_on_host: bool, staging_bytes: float, dist=None) -> HybridHostAdamW:
-    """The host tier's optimizer for ``cfg`` (an EngineConfig): ``cpu_opt`` alone (update_path="cpu"), or with
+                    grads_on_host: bool, staging_bytes: float, dist=None,
+                    update_path: str | None = None) -> HybridHostAdamW:
+    """The host tier's optimizer for ``cfg`` (an EngineConfig): ``cpu_opt`` alone (update path "cpu"), or with
     the GPU path, its split forced (``gpu_path_groups`` names) or planned from measured rates ("auto").
-    ``staging_bytes``: GPU memory the path may hold (rotating buffers + kept masters)."""
-    if cfg.update_path == "cpu" or not host_names:
+    ``update_path``: the path the plan resolved ("cpu" | "hybrid"; default ``cfg.update_path``, which must
+    not be "auto" then). ``staging_bytes``: GPU memory the path may hold (rotating buffers + kept masters)."""
+    update_path = update_path or cfg.update_path
+    if update_path not in ("cpu", "hybrid"):
+        raise ValueError(f"build_host_tier needs a resolved update path ('cpu' or 'hybrid'), got {update_path!r}")
+    if update_path == "cpu" or not host_names:
         return HybridHostAdamW(cpu_opt)
     if dist is not None:
         raise ValueError("update_path='hybrid' is not supported with data parallel training (use 'cpu')")

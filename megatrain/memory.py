@@ -151,4 +151,5 @@ def plan_for_spec(spec, options: dict | None = None, *, micro_batches: int = 1, 
     return placement.plan(spec_group_numels(spec), shape, setting=str(cfg.gpu_resident), on_gpu=True,
                           gpu_free=gpu_free, host_available=host_available,
                           gpu_margin=int(cfg.gpu_margin_gib * placement.GIB),
-                          host_margin=int(cfg.host_margin_gib * placement.GIB), grads=cfg.grad_placement)
+                          host_margin=int(cfg.host_margin_gib * placement.GIB), grads=cfg.grad_placement,
+                          update_path=cfg.update_path, staging_reserve=int(cfg.update_staging_gib * placement.GIB))

@@ -93,6 +93,8 @@ class StepShape:
     seq_len: int = 0  # tokens per sequence (attention FLOPs in the step-time model); 0: tokens_per_micro_batch
     stream_bytes: int = 4  # bytes per parameter a host-tier layer load moves (4 fp32 master, 2 bf16 shadow)
     schedule: str = "layers"  # as EngineConfig.micro_batch_schedule ("layers" with one micro-batch)
+    update_path: str = "cpu"  # the host tier's update: "cpu" | "hybrid" (resolved; the step-time model's term)
+    update_staging: int = 0  # bytes the plan keeps free for the GPU update path (update_path="hybrid")
 
     @property
     def sequential(self) -> bool:
@@ -126,6 +128,10 @@ class Placement:
     setting: str = ""
     grads: str = "gpu"  # where the host tier's gradients wait: "gpu" | "host" (the resolved grad_placement)
     grad_setting: str = "gpu"  # grad_placement as asked ("gpu" | "host" | "auto")
+    grads_reason: str = ""  # why the plan chose ``grads`` ("auto": fit, or the predicted step of each)
+    update_path: str = "cpu"  # the host tier's update: "cpu" | "hybrid" (the resolved EngineConfig.update_path)
+    update_path_setting: str = "cpu"  # as asked ("cpu" | "hybrid" | "auto")
+    update_path_reason: str = ""  # why ("auto": the predicted step of each)
     boundaries_on_gpu: int | None = None  # as StepShape after boundary offload: None = all on the GPU
     mlp_chunk_tokens: int = -1  # the MLP chunk the plan sized the step for: -1 none, N tokens (never 0 = auto)
     mlp_chunk_reason: str = ""  # why that chunk (summary)
@@ -169,7 +175,8 @@ class Placement:
         out = {"recompute_setting": self.recompute, "blocks": self.num_blocks, "blocks_kept": len(self.kept_blocks),
                "micro_batch_schedule": "sequential" if self.sequential else "layers",
                "recompute_blocks": self.kept_text, "gpu_resident_layers": self.gpu_layers,
-               "predicted_step_s": self.prediction.step_s if self.prediction else None}
+               "predicted_step_s": self.prediction.step_s if self.prediction else None,
+               "update_path": self.update_path, "update_path_setting": self.update_path_setting}
         if self.prediction:
             out.update({f"predicted_{k}": v for k, v in self.prediction.parts.items()})
         return out
@@ -198,6 +205,10 @@ class Placement:
         lines.append(f"  MLP chunk: {chunk} ({self.mlp_chunk_reason})")
         lines.append(f"  activations: {self.kept_text} blocks (K = {self.block}), the rest recomputed "
                      f"(recompute={self.recompute}: {self.recompute_reason})")
+        if self.grads_reason:
+            lines.append(f"  gradients: {self.grads} ({self.grads_reason})")
+        if self.update_path_reason:
+            lines.append(f"  host update: {self.update_path} ({self.update_path_reason})")
         if self.schedule_reason:
             lines.append(f"  micro-batches: {'sequential' if self.sequential else 'layers'} ({self.schedule_reason})")
         if self.prediction is not None:
@@ -323,17 +334,56 @@ def tiers_for_layers(names: list[str], n: int) -> dict[str, str]:
 
 def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool, gpu_free: int, host_available: int,
          gpu_margin: int, host_margin: int, tiers: dict[str, str] | None = None, grads: str = "auto",
-         kept: set[int] | None = None, rates: "cost_model.Rates | None" = None) -> Placement:
+         kept: set[int] | None = None, rates: "cost_model.Rates | None" = None, update_path: str = "cpu",
+         staging_reserve: int = 0) -> Placement:
     """Decide the tiers (or check the given ``tiers``), where the host tier's gradients wait (``grads``:
-    "gpu" | "host" | "auto"), for ``shape.mlp_chunk_tokens`` = 0 whether to chunk the MLP, and which blocks
-    keep their activations (``shape.recompute``, or the given ``kept`` block indices), and predict both
-    memories and (on a GPU) the step time at ``rates`` (see module doc). Raises ``DoesNotFit`` (a
-    MemoryError) with one line of numbers when the configuration fits neither; nothing has been allocated
-    at that point."""
+    "gpu" | "host" | "auto"), for ``shape.mlp_chunk_tokens`` = 0 whether to chunk the MLP, which blocks
+    keep their activations (``shape.recompute``, or the given ``kept`` block indices), and the host tier's
+    update path (``update_path``: "cpu" | "hybrid" | "auto"; "hybrid" keeps ``staging_reserve`` bytes of the
+    GPU free for it), and predict both memories and (on a GPU) the step time at ``rates`` (see module doc).
+    Raises ``DoesNotFit`` (a MemoryError) with one line of numbers when the configuration fits neither;
+    nothing has been allocated at that point."""
     if grads not in ("gpu", "host", "auto"):
         raise ValueError(f"grads must be 'gpu', 'host' or 'auto', got {grads!r}")
+    if update_path not in ("cpu", "hybrid", "auto"):
+        raise ValueError(f"update_path must be 'cpu', 'hybrid' or 'auto', got {update_path!r}")
     args = dict(setting=setting, on_gpu=on_gpu, gpu_free=gpu_free, host_available=host_available,
                 gpu_margin=gpu_margin, host_margin=host_margin, tiers=tiers, kept=kept, rates=rates)
+    if update_path != "auto" or not on_gpu:  # on a CPU run nothing is predicted: "auto" is "cpu"
+        path = "hybrid" if update_path == "hybrid" else "cpu"
+        out = _plan_path(numels, shape, grads, args, path, staging_reserve)
+        out.update_path_setting = update_path
+        if update_path == "auto":
+            out.update_path_reason = "auto: CPU run (nothing predicted)"
+        return out
+    # "auto": the plan for each path (the hybrid one keeps its staging free), the faster by the model; the
+    # GPU path must be predicted CONTESTED_GAIN faster (its split and rates are the least measured part).
+    cpu = _plan_path(numels, shape, grads, args, "cpu", staging_reserve)
+    cpu.update_path_setting = "auto"
+    if not cpu.host_names:
+        cpu.update_path_reason = "auto: no host-tier group"
+        return cpu
+    try:
+        hybrid = _plan_path(numels, shape, grads, args, "hybrid", staging_reserve)
+    except DoesNotFit as exc:
+        cpu.update_path_reason = f"auto: hybrid does not fit ({exc})"
+        return cpu
+    a, b = cpu.prediction.step_s, hybrid.prediction.step_s
+    gpu_groups = int(hybrid.prediction.parts.get("gpu_path_groups", 0))
+    won = b < a * (1 - CONTESTED_GAIN) and gpu_groups > 0
+    chosen = hybrid if won else cpu
+    chosen.update_path_setting = "auto"
+    chosen.update_path_reason = (f"auto: predicted {a:.3f} s with the CPU kernel alone vs {b:.3f} s with the GPU "
+                                 f"update path beside it ({gpu_groups} of {len(hybrid.host_names)} host-tier groups)")
+    return chosen
+
+
+def _plan_path(numels, shape: StepShape, grads: str, args: dict, update_path: str, staging_reserve: int) -> Placement:
+    """``plan`` for one host update path ("cpu" | "hybrid"; the hybrid one keeps ``staging_reserve`` free)."""
+    reserve = staging_reserve if (update_path == "hybrid" and args["on_gpu"]) else 0
+    shape = replace(shape, update_path=update_path, update_staging=reserve)
+    args = dict(args, gpu_margin=args["gpu_margin"] + reserve)
+    on_gpu, kept = args["on_gpu"], args["kept"]
     asked = shape.recompute
     if asked == "none" and shape.mlp_chunk_tokens == 0:
         shape = replace(shape, mlp_chunk_tokens=-1)  # a kept layer is never chunked (its backward would recompute)
@@ -362,6 +412,7 @@ def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool
     if shape.schedule == "auto" and shape.micro_batches > 1 and on_gpu and not problems:
         placement = _schedule(numels, shape, placement, grads, args)
     placement.grad_setting, placement.mlp_chunk_reason, placement.recompute = grads, reason, asked
+    placement.update_path = placement.update_path_setting = update_path
     if problems:
         raise DoesNotFit(_refusal(problems, placement, asked), placement)
     return placement
@@ -404,12 +455,34 @@ def _refusal(problems: dict[str, str], placement: Placement, recompute: str) -> 
 
 
 def _plan_grads(numels, shape, grads, args) -> tuple[Placement, dict[str, str]]:
-    """One plan for ``grads`` ("auto": "gpu", or "host" when the gradients do not fit the GPU beside the
-    rest) and ``shape``'s MLP chunk; the placement and what does not fit."""
+    """One plan for ``grads`` and ``shape``'s MLP chunk; the placement and what does not fit. "auto": "gpu",
+    or "host" when the gradients do not fit the GPU beside the rest, or when both fit and the step-time
+    model predicts "host" CONTESTED_GAIN faster (it frees GPU memory for GPU-tier groups or kept blocks, at
+    4 B/param of D2H during the backward and of host RAM; the model is least sure where it trades host-side
+    work for GPU work, and "gpu" measured 1.21x faster where both placed the same tiers: docs/engine.md)."""
     placement, problems = _plan_with(numels, replace(shape, grads="gpu" if grads == "auto" else grads), **args)
-    if grads == "auto" and args["on_gpu"] and problems.get("gpu"):
+    if grads != "auto" or not args["on_gpu"]:
+        return placement, problems
+    if problems.get("gpu"):
         # The gradients do not fit the GPU beside the rest: give the host tier's a host home instead.
-        placement, problems = _plan_with(numels, replace(shape, grads="host"), **args)
+        host, host_problems = _plan_with(numels, replace(shape, grads="host"), **args)
+        host.grads_reason = "auto: the gradients do not fit on the GPU beside the rest"
+        return host, host_problems
+    if not placement.host_names:  # nothing on the host tier: nothing to move
+        placement.grads_reason = "auto: no host-tier group"
+        return placement, problems
+    host, host_problems = _plan_with(numels, replace(shape, grads="host"), **args)
+    a = placement.prediction.step_s
+    if host_problems or host.prediction is None:
+        placement.grads_reason = f"auto: on the host would not fit ({'; '.join(host_problems.values())})"
+        return placement, problems
+    b = host.prediction.step_s
+    if b < a * (1 - CONTESTED_GAIN):
+        host.grads_reason = (f"auto: predicted {b:.3f} s with the host tier's gradients on the host "
+                             f"({host.gpu_layers} GPU-tier layers) vs {a:.3f} s on the GPU ({placement.gpu_layers})")
+        return host, host_problems
+    placement.grads_reason = (f"auto: predicted {a:.3f} s with gradients on the GPU ({placement.gpu_layers} GPU-tier "
+                              f"layers) vs {b:.3f} s on the host ({host.gpu_layers})")
     return placement, problems
 
 
@@ -482,6 +555,9 @@ def _plan_with(numels, shape, *, setting, on_gpu, gpu_free, host_available, gpu_
                           prediction=prediction, on_gpu=on_gpu, sequential=shape.sequential)
     placement.gpu_parts = _gpu_parts(numels, tiers, shape)
     placement.host_parts = host_parts_for(numels, tiers, shape)
+    if on_gpu and shape.update_path == "hybrid":  # its staging: the reserve and what the plan leaves unused
+        placement.prediction = cost_model.predict(
+            step_load(numels, tiers, shape, gpu_path_staging(placement, shape.update_staging)), rates)
     gpu_total, host_total = sum(placement.gpu_parts.values()), sum(placement.host_parts.values())
     problems = {}
     if on_gpu and gpu_total > gpu_budget:
@@ -582,8 +658,12 @@ def _keep_what_fits(numels, tiers, shape: StepShape, gpu_budget: int, rates) -> 
     return replace(shape, kept_blocks=tuple(sorted(order[:lo])))
 
 
-def step_load(numels: dict[str, int], tiers: dict[str, str], shape: StepShape) -> "cost_model.StepLoad":
-    """What the plan makes one step do, for the step-time model."""
+def step_load(numels: dict[str, int], tiers: dict[str, str], shape: StepShape,
+              gpu_path_staging: float | None = None) -> "cost_model.StepLoad":
+    """What the plan makes one step do, for the step-time model. ``gpu_path_staging``: GPU bytes for the GPU
+    update path (default: the reserve alone, ``shape.update_staging``)."""
+    if gpu_path_staging is None:
+        gpu_path_staging = float(shape.update_staging)
     layers = [x for x in numels if x.startswith("layer.")]
     kept = {i for b in shape.kept_blocks for i in shape.block_layers(b)}
     other = [x for x in numels if not x.startswith("layer.")]
@@ -595,7 +675,18 @@ def step_load(numels: dict[str, int], tiers: dict[str, str], shape: StepShape) -
         other_params_gpu=sum(numels[x] for x in other if tiers[x] == "gpu"),
         other_params_host=sum(numels[x] for x in other if tiers[x] == "host"),
         stream_bytes=shape.stream_bytes, grad_bytes=4 if shape.grads == "host" else shape.compute_bytes,
-        passes=shape.micro_batches if shape.sequential else 1, compute_bytes=shape.compute_bytes)
+        passes=shape.micro_batches if shape.sequential else 1, compute_bytes=shape.compute_bytes,
+        grads_on_host=shape.grads == "host", update_path=shape.update_path,
+        host_group_params=[numels[x] for x in numels if tiers[x] == "host"],  # group order = forward order
+        gpu_path_staging_bytes=gpu_path_staging)
+
+
+def gpu_path_staging(placement: Placement, reserve: int) -> float:
+    """GPU bytes the GPU update path may hold under ``placement``: the ``reserve`` the plan kept free plus 90 %
+    of what it leaves unused (its parts are estimates), as the engine gives it (``MegaTrain._staging_bytes``)."""
+    if placement.gpu_budget is None:
+        return float("inf")
+    return reserve + 0.9 * max(0, placement.gpu_budget - sum(placement.gpu_parts.values()))
 
 
 def _gpu_parts(numels, tiers, shape) -> dict[str, int]:
