@@ -200,28 +200,40 @@ def test_accuracy_sft_sweep_on_cpu(model_dir, tmp_path):
     assert (tmp_path / "cache" / "gguf").is_dir()  # converted once into the cache
 
 
-def test_accuracy_sft_sweep_expands_to_the_four_points(tmp_path):
-    """Same data and optimizer for every point; pure streaming only for MegaTrain; a missing GGUF is refused
-    before anything runs, with the way to get it."""
+def test_accuracy_sft_sweep_expands_to_its_seven_points(tmp_path):
+    """Same data and optimizer for every point; the rerun (all-on-GPU again, nothing changed) and the fp32
+    pair are points of their own; pure streaming only for MegaTrain; a bad variant dtype and a missing GGUF
+    are refused before anything runs, the latter with the way to get it."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     from experiments import sweeps
 
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(REPO / "experiments" / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["sweep=accuracy_sft", "steps=120"])
-        jobs = sweeps.expand(cfg, lambda g, n: compose(config_name="config",
-                                                       overrides=["sweep=accuracy_sft", f"{g}={n}"])[g],
-                             device="cuda", gpu_name="NVIDIA H200")
-    GlobalHydra.instance().clear()
-    assert [(j.system, j.variant) for j in jobs] == [("native", "default"), ("megatrain", "default"),
-                                                    ("zero3", "default"), ("megatrain", "pure_streaming")]
-    assert jobs[3].options["gpu_resident"] == "0" and jobs[1].options["gpu_resident"] == "auto"
+    def expand(*overrides):
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(REPO / "experiments" / "conf"), version_base="1.3"):
+                cfg = compose(config_name="config", overrides=["sweep=accuracy_sft", *overrides])
+                return sweeps.expand(cfg, lambda g, n: compose(config_name="config",
+                                                               overrides=["sweep=accuracy_sft", f"{g}={n}"])[g],
+                                     device="cuda", gpu_name="NVIDIA H200")
+        finally:
+            GlobalHydra.instance().clear()
+
+    jobs = expand("steps=120")
+    assert [(j.system, j.variant, j.dtype) for j in jobs] == [
+        ("native", "default", "auto"), ("megatrain", "default", "auto"), ("zero3", "default", "auto"),
+        ("native", "rerun", "auto"), ("native", "fp32", "fp32"), ("megatrain", "fp32", "fp32"),
+        ("megatrain", "pure_streaming", "auto")]
+    assert jobs[6].options["gpu_resident"] == "0" and jobs[1].options["gpu_resident"] == "auto"
+    assert jobs[5].options == jobs[1].options  # fp32 changes the compute dtype only
+    assert jobs[3].options == jobs[0].options and jobs[3].id != jobs[0].id  # the same run again, its own point
     assert {(j.steps, j.optim.total_steps, j.optim.lr, j.batch_size, j.seq_len, j.seed) for j in jobs} == {
         (120, 120, 2e-4, 64, 48, 0)}
     assert all(j.sft["gguf"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and j.sft["n_eval"] == 500 for j in jobs)
     assert jobs[0].num_params == 134_515_008  # the smollm2-135m preset = the GGUF's model
+    with pytest.raises(sweeps.SweepError, match="dtype=fp33"):
+        expand("+sweep.variants.bad={dtype: fp33}")
     import dataclasses
 
     missing = dataclasses.replace(jobs[0], sft=dict(jobs[0].sft, gguf=str(tmp_path / "none.gguf")))
