@@ -162,7 +162,8 @@ def test_arithmetic_task_and_order():
 @pytest.mark.slow
 def test_accuracy_sft_sweep_on_cpu(model_dir, tmp_path):
     """sweep=accuracy_sft through the runner: every point ok, same init -> identical step-0 evaluation,
-    the engine (tiered and pure streaming) trains like plain PyTorch, report section and figure written."""
+    the rerun repeats all-on-GPU, the engine (tiered, fp32 variant, pure streaming) trains like plain
+    PyTorch, report section (verdict with the rerun's spread) and figure written."""
     gguf_path = model_dir[1]
     cmd = [sys.executable, "-m", "experiments.run", "sweep=accuracy_sft", "model=tiny-llama", "device=cpu",
            f"sweep.sft.gguf={gguf_path}", "steps=4", "warmup_steps=1", "batch_size=4", "seq_len=96",
@@ -176,7 +177,8 @@ def test_accuracy_sft_sweep_on_cpu(model_dir, tmp_path):
     sweep = tmp_path / "accuracy_sft"
     points = sorted(p for p in sweep.iterdir() if p.is_dir())
     assert [p.name.split("__")[0] + "/" + p.name.split("__")[-2] for p in points] == [
-        "megatrain/default", "megatrain/pure_streaming", "native/default"]
+        "megatrain/default", "megatrain/fp32", "megatrain/pure_streaming", "native/default", "native/fp32",
+        "native/rerun"]
     runs = {}
     for p in points:
         rows = [json.loads(line) for line in (p / "sft.jsonl").read_text().splitlines()]
@@ -186,7 +188,10 @@ def test_accuracy_sft_sweep_on_cpu(model_dir, tmp_path):
     ref_rows, ref_steps = runs["native/default"]
     assert [r["step"] for r in ref_rows if r["kind"] == "eval"] == [0, 2, 4]
     assert ref_rows[-1]["kind"] == "summary" and ref_rows[-1]["clip_fraction"] is not None
-    for name in ("megatrain/default", "megatrain/pure_streaming"):
+    rerun_rows, rerun_steps = runs["native/rerun"]  # the same run again (on the CPU: bit for bit)
+    assert [r["loss"] for r in rerun_steps] == [r["loss"] for r in ref_steps]
+    assert [r["eval_loss"] for r in rerun_rows[:-1]] == [r["eval_loss"] for r in ref_rows[:-1]]
+    for name in ("megatrain/default", "megatrain/fp32", "megatrain/pure_streaming"):
         rows, steps = runs[name]
         assert rows[0]["eval_loss"] == ref_rows[0]["eval_loss"]  # same weights in, same evaluation
         for a, b in zip(steps, ref_steps):
@@ -196,6 +201,7 @@ def test_accuracy_sft_sweep_on_cpu(model_dir, tmp_path):
         assert "speculated" in steps[0] and "speculated_fraction" in rows[-1]
     report = (tmp_path / "REPORT.md").read_text()
     assert "## Table 3 on a pretrained model" in report and "Verdict: **agree**" in report
+    assert "all-on-GPU vs all-on-GPU 0.0000 nats" in report  # the rerun's spread, stated beside each gap
     assert (tmp_path / "plots" / "accuracy_sft.png").is_file()
     assert (tmp_path / "cache" / "gguf").is_dir()  # converted once into the cache
 
