@@ -17,7 +17,8 @@ from .sft_verdict import LOSS_TOL, REF_SYSTEM, agreement, curve, explain, is_rep
 
 SWEEP = "accuracy_sft"
 # The same system in another variant: a shade of its colour and its own marker.
-VARIANT_STYLE = {"pure_streaming": ("#F0A35E", "D"), "fp32": (None, "x"), "rerun": ("#999999", "1")}
+VARIANT_STYLE = {("megatrain", "pure_streaming"): ("#F0A35E", "D"), ("megatrain", "fp32"): ("#8B3A00", "x"),
+                 ("native", "fp32"): ("#000000", "x"), ("native", "rerun"): ("#999999", "1")}
 _DTYPE_NAMES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 
 
@@ -102,9 +103,10 @@ def _style(run: dict, i: int, n: int) -> dict:
     from baselines.registry import record
 
     rec = record(run["system"])
-    colour, marker = VARIANT_STYLE.get(run["variant"], (rec.colour, rec.marker))
-    return dict(color=colour or rec.colour, marker=marker, ms=3.5, ls=["-", "--", ":", "-."][i % 4],
-                lw=1.2 + 0.6 * (n - 1 - i), label=run["label"])
+    colour, marker = VARIANT_STYLE.get((run["system"], run["variant"]), (rec.colour, rec.marker))
+    # the first runs drawn widest, so that identical curves drawn later stay visible on top of them
+    return dict(color=colour, marker=marker, ms=3.5, ls=["-", "--", ":", "-."][i % 4],
+                lw=1.0 + 1.6 * (n - 1 - i) / max(1, n - 1), label=run["label"])
 
 
 def plot(results_dir, out_dir, formats=("png", "pdf"), sweep: str = SWEEP) -> list[Path]:
@@ -162,8 +164,9 @@ def plot(results_dir, out_dir, formats=("png", "pdf"), sweep: str = SWEEP) -> li
         ax.legend(fontsize=7)
     result = agreement(runs)
     ax_text.axis("off")
-    text = [f"verdict: {result['verdict']}", ""] + [
-        f"{label}: {v['verdict']}" + (f" ({v['max_loss_dev']:.4f} nats)" if v.get("max_loss_dev") is not None else "")
+    text = [f"verdict: {result['verdict']}", "max |Δ held-out loss| vs all-on-GPU at the same dtype:", ""] + [
+        f"{label}: {v['verdict'] or 'run-to-run spread'}"
+        + (f" ({v['max_loss_dev']:.4f} nats)" if v.get("max_loss_dev") is not None else "")
         for label, v in result["runs"].items() if v["role"] in ("exact", "not exact", "spread")]
     ax_text.text(0.0, 1.0, "\n".join(text), va="top", ha="left", fontsize=8, family="monospace",
                  transform=ax_text.transAxes, wrap=True)

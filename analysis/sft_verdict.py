@@ -143,6 +143,10 @@ def _nats(x) -> str:
     return "n/a" if x is None else f"{x:.4f}"
 
 
+def _tiny(x) -> str:  # first-step differences: fp32 ones are ~1e-6, bf16 ones ~1e-3
+    return "n/a" if x is None else f"{x:.1e}"
+
+
 def explain(result: dict, runs: list[dict]) -> list[str]:
     """One sentence per exact run: its gap (nats, at which step; accuracy points) beside all-on-GPU's own
     spread at that dtype (or that none was measured), and its verdict; then what the fp32 pair says of
@@ -166,6 +170,13 @@ def explain(result: dict, runs: list[dict]) -> list[str]:
             against = (f"all-on-GPU vs all-on-GPU {_nats(sp['max_loss_dev'])} nats (step {sp['at_step']}), "
                        f"{100 * sp['acc_dev']:+.1f} points")
         lines.append(f"- {run['label']} ({v['dtype']}): {gap}{acc}; {against} → **{v['verdict']}**.")
+    # What bf16 itself does to all-on-GPU (a yardstick for the bf16 gaps above)
+    refs = {r["dtype"]: r for r in runs if result["refs"].get(r["dtype"]) == r["label"]}
+    if "bf16" in refs and "fp32" in refs:
+        c = compare(refs["bf16"], refs["fp32"])
+        lines.append(f"- All-on-GPU bf16 vs all-on-GPU fp32 (what bf16 alone does to the reference): max |Δ held-out "
+                     f"loss| {_nats(c['max_loss_dev'])} nats (step {c['at_step']}), first step "
+                     f"{_tiny(c['step0_loss_dev'])}.")
     # The same system at both dtypes: did one arithmetic (fp32) close the gap that bf16 showed?
     by = {}
     for run in runs:
@@ -177,14 +188,14 @@ def explain(result: dict, runs: list[dict]) -> list[str]:
             (lb, vb), (lf, vf) = d["bf16"], d["fp32"]
             if vf["verdict"] == AGREE and vb["verdict"] != AGREE:
                 lines.append(f"- With one arithmetic (fp32) {lf} stays within {LOSS_TOL} nats of all-on-GPU "
-                             f"({_nats(vf['max_loss_dev'])}; first step {_nats(vf['step0_loss_dev'])}), where in "
+                             f"({_nats(vf['max_loss_dev'])}; first step {_tiny(vf['step0_loss_dev'])}), where in "
                              f"bf16 it does not ({_nats(vb['max_loss_dev'])}; first step "
-                             f"{_nats(vb['step0_loss_dev'])}): the bf16 gap comes from bf16 arithmetic, not from "
+                             f"{_tiny(vb['step0_loss_dev'])}): the bf16 gap comes from bf16 arithmetic, not from "
                              f"the engine's schedule or update.")
             elif vf["verdict"] != AGREE:
                 lines.append(f"- With one arithmetic (fp32) {lf} is still {_nats(vf['max_loss_dev'])} nats from "
-                             f"all-on-GPU (first step {_nats(vf['step0_loss_dev'])}; bf16: {_nats(vb['max_loss_dev'])},"
-                             f" first step {_nats(vb['step0_loss_dev'])}): the gap is not bf16's alone"
+                             f"all-on-GPU (first step {_tiny(vf['step0_loss_dev'])}; bf16: {_nats(vb['max_loss_dev'])},"
+                             f" first step {_tiny(vb['step0_loss_dev'])}): the gap is not bf16's alone"
                              + (" but within all-on-GPU's own fp32 spread." if vf["verdict"] == WITHIN_SPREAD
                                 else "."))
     return lines

@@ -80,6 +80,7 @@ def test_each_dtype_has_its_own_reference_and_the_fp32_pair_explains_the_bf16_ga
     assert res["runs"]["MT"]["verdict"] == V.DISAGREE and res["verdict"] == V.DISAGREE  # never hidden
     lines = V.explain(res, runs)
     assert any("With one arithmetic (fp32) MT fp32 stays within" in ln and "bf16 arithmetic" in ln for ln in lines)
+    assert any("bf16 vs all-on-GPU fp32" in ln and "0.5000 nats (step 50)" in ln for ln in lines)
     # and when fp32 does not close it, the report says the gap is not bf16's alone
     runs[3] = run("megatrain", "fp32", "fp32", offsets={50: 0.56}, label="MT fp32", tier="tiered")
     assert any("not bf16's alone" in ln for ln in V.explain(V.agreement(runs), runs))
