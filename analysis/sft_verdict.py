@@ -8,9 +8,9 @@ A run: ``{"system", "variant", "label", "status", "dtype", "evals": [{"step", "e
 * **Reference** of a dtype: the all-on-GPU (``native``) run of that dtype that is not a repeat (variant
   ``default`` first). A run is compared with the reference of its own dtype: an fp32 run with fp32
   all-on-GPU, a bf16 run with bf16 all-on-GPU.
-* **Spread** of a dtype: a repeat of the reference (variant ``rerun*``: the same run again, nothing
-  changed) compared with it the same way: how far all-on-GPU lands from itself (GPU nondeterminism
-  amplified by training).
+* **Spread** of a dtype: the repeats of the reference (variants ``rerun*``: the same run again, or
+  perturbed at the size of rounding) compared with it the same way: how far all-on-GPU lands from itself
+  (GPU nondeterminism, or an ulp, amplified by training); with several, the farthest.
 * **Verdict** of an exact system: ``agree`` when its held-out loss is within ``LOSS_TOL`` nats of the
   reference at every evaluation and its final exact match within ``ACC_TOL`` (the issue's target);
   else ``agree within run-to-run spread`` when its largest gap is no larger than the reference's against
@@ -106,8 +106,15 @@ def agreement(runs: list[dict]) -> dict:
         base = refs.get(run["dtype"])
         if run["system"] == REF_SYSTEM and is_repeat(run) and base is not None:
             cmp = compare(run, base)
-            if run["status"] == "ok" and not cmp["missing_steps"] and cmp["steps"] == cmp["ref_steps"]:
-                spread.setdefault(run["dtype"], cmp)  # the first repeat of the dtype measures its spread
+            if run["status"] == "ok" and not cmp["missing_steps"] and cmp["steps"] == cmp["ref_steps"] \
+                    and cmp["max_loss_dev"] is not None and cmp["acc_dev"] is not None:
+                # several repeats: the spread is the farthest all-on-GPU landed from itself (loss and accuracy)
+                old = spread.get(run["dtype"])
+                if old is None or cmp["max_loss_dev"] > old["max_loss_dev"]:
+                    spread[run["dtype"]] = dict(cmp, label=run["label"],
+                                                acc_dev=max(cmp["acc_dev"], old["acc_dev"] if old else 0.0, key=abs))
+                else:
+                    old["acc_dev"] = max(old["acc_dev"], cmp["acc_dev"], key=abs)
             out[run["label"]] = dict(cmp, dtype=run["dtype"], role="spread", verdict="")
     for run in runs:
         base = refs.get(run["dtype"])
@@ -167,8 +174,8 @@ def explain(result: dict, runs: list[dict]) -> list[str]:
         if sp is None:
             against = f"all-on-GPU vs itself not measured at {v['dtype']}"
         else:
-            against = (f"all-on-GPU vs all-on-GPU {_nats(sp['max_loss_dev'])} nats (step {sp['at_step']}), "
-                       f"{100 * sp['acc_dev']:+.1f} points")
+            against = (f"all-on-GPU vs all-on-GPU {_nats(sp['max_loss_dev'])} nats (step {sp['at_step']}, "
+                       f"{sp['label']}), {100 * sp['acc_dev']:+.1f} points")
         lines.append(f"- {run['label']} ({v['dtype']}): {gap}{acc}; {against} → **{v['verdict']}**.")
     # What bf16 itself does to all-on-GPU (a yardstick for the bf16 gaps above)
     refs = {r["dtype"]: r for r in runs if result["refs"].get(r["dtype"]) == r["label"]}

@@ -51,15 +51,31 @@ def test_gap_within_all_on_gpu_spread_is_said_with_both_numbers():
     assert res["runs"]["native/rerun"]["role"] == "spread"  # the repeat measures, it is not judged
     assert res["verdict"] == V.WITHIN_SPREAD
     line = V.explain(res, runs)[0]
-    assert "0.0800 nats (step 50)" in line and "all-on-GPU vs all-on-GPU 0.0900 nats (step 50)" in line
+    assert "0.0800 nats (step 50)" in line and "all-on-GPU vs all-on-GPU 0.0900 nats (step 50, native/rerun)" in line
     assert "agree within run-to-run spread" in line
+
+
+def test_several_reruns_the_farthest_is_the_spread():
+    """A bit-identical rerun (deterministic GPU) and an ulp-perturbed one: the spread is the larger distance,
+    and the accuracy spread the larger of theirs."""
+    runs = [run("native", acc=0.95), run("megatrain", offsets={50: -0.06}, acc=0.942),
+            run("native", "rerun", acc=0.95), run("native", "rerun_ulp", offsets={50: 0.07}, acc=0.955)]
+    res = V.agreement(runs)
+    sp = res["spread"]["bf16"]
+    assert sp["label"] == "native/rerun_ulp" and sp["max_loss_dev"] == pytest.approx(0.07)
+    assert sp["acc_dev"] == pytest.approx(0.005)
+    assert res["runs"]["native/rerun"]["max_loss_dev"] == 0.0 and res["runs"]["native/rerun"]["role"] == "spread"
+    assert res["runs"]["megatrain/default"]["verdict"] == V.WITHIN_SPREAD  # 0.06 <= 0.07 nats, -0.8 points
+    runs[1] = run("megatrain", offsets={50: -0.06}, acc=0.935)  # -1.5 points: beyond 1 point and the spread's 0.5
+    assert V.agreement(runs)["runs"]["megatrain/default"]["verdict"] == V.DISAGREE
+
 
 
 def test_gap_larger_than_the_spread_disagrees():
     runs = [run("native"), run("megatrain", offsets={50: 0.08}), run("native", "rerun", offsets={25: 0.02})]
     res = V.agreement(runs)
     assert res["runs"]["megatrain/default"]["verdict"] == V.DISAGREE and res["verdict"] == V.DISAGREE
-    assert "all-on-GPU vs all-on-GPU 0.0200 nats (step 25)" in V.explain(res, runs)[0]
+    assert "all-on-GPU vs all-on-GPU 0.0200 nats (step 25, native/rerun)" in V.explain(res, runs)[0]
 
 
 def test_accuracy_gap_beyond_one_point_and_the_spread_disagrees():
