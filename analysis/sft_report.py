@@ -246,9 +246,9 @@ def report_lines(results_dir, figure: str | None = None, sweep: str = SWEEP) -> 
               "(bf16: MegaTrain and ZeRO-3 compute each layer in bf16, all-on-GPU under autocast keeps an fp32 "
               "residual stream).", ""]
     lines += explain(result, runs)
-    spread_note = ("; where the sweep reran all-on-GPU unchanged (variant `rerun`), a larger gap that is no "
-                   "larger than all-on-GPU's against itself is *agree within run-to-run spread*; both numbers are "
-                   "stated above")
+    spread_note = ("; where the sweep reran all-on-GPU (variants `rerun*`: unchanged, or perturbed at the size "
+                   "of fp32 rounding), a larger gap that is no larger than all-on-GPU's farthest from itself is "
+                   "*agree within run-to-run spread*; both numbers are stated above")
     lines += ["", f"Rule: an exact system agrees with all-on-GPU training at the same compute dtype when its held-out "
               f"loss is within {LOSS_TOL} nats at every evaluation and its final exact-match accuracy within 1 "
               f"point{spread_note}. Verdict: **{result['verdict']}**"

@@ -65,7 +65,7 @@ def compare(run: dict, base: dict) -> dict:
     first step's training-loss and gradient-norm differences."""
     bl, loss = curve(base, "eval_loss"), curve(run, "eval_loss")
     devs = {s: abs(loss[s] - bl[s]) for s in bl if s in loss}
-    worst = max(devs, key=lambda s: (not math.isfinite(devs[s]), devs[s]), default=None)
+    worst = max(devs, key=lambda s: (not math.isfinite(devs[s]), devs[s], s), default=None)  # ties: the latest
     acc, bacc = run.get("summary", {}).get("exact_match_after"), base.get("summary", {}).get("exact_match_after")
     d0, n0 = _step0(run, base)
     return {"max_loss_dev": devs[worst] if worst is not None else None, "at_step": worst,
