@@ -238,25 +238,13 @@ def train(job: Job, applied: dict | None = None) -> int:
 
     from baselines.monitor import Monitor
 
-    pdir = Path(job.point_dir)
-    pdir.mkdir(parents=True, exist_ok=True)
-    log = lambda msg: print(msg, flush=True)  # noqa: E731
-    result: dict = {"point": job.id, "status": "error", "error": "", "pid": os.getpid(), **(applied or {})}
-    t_start = time.time()
-    records: list[dict] = []
-    system = mon = None
-    cuda = job.device.startswith("cuda")
+    pdir, result, log = open_point(job, applied)
+    t_start, records, system, mon, cuda = time.time(), [], None, None, job.device.startswith("cuda")
     try:
-        import yaml
-
-        (pdir / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(job.to_dict())), sort_keys=False))
-        import torch
+        torch = start_point(job, pdir, result)
 
         from megatrain.data import synthetic_batch
 
-        if job.torch_threads:
-            torch.set_num_threads(int(job.torch_threads))
-        result["torch_threads"] = torch.get_num_threads()  # what the engine's host AdamW sizes itself from
         _log_emulation(job, applied or {}, result["torch_threads"], log)
 
         log(f"[point] {job.id}: {job.system} ({job.variant}) on {job.device}, model {job.model} "
@@ -266,14 +254,7 @@ def train(job: Job, applied: dict | None = None) -> int:
             _cap_gpu_memory(torch, job, log)
             result["gpu_name"] = torch.cuda.get_device_name(torch.device(job.device))
         mon = Monitor(interval=0.2, gpu=cuda).start()
-        t0 = time.time()
-        system = build_system(job)
-        result["build_s"] = time.time() - t0
-        log(f"[point] built {job.system} in {result['build_s']:.1f}s")
-        # What the system chose at build time (e.g. which CPU Adam ran), kept with the result.
-        result["system_info"] = json.loads(json.dumps(getattr(system, "info", {}) or {}, default=str))
-        # also on disk now: a point killed later (host OOM, timeout) still has its settings in the row
-        _write_json(pdir / "system_info.json", result["system_info"])
+        system = build_measured(job, pdir, result, log)
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         total = job.warmup_steps + job.steps
         vocab = job.spec["vocab_size"]
@@ -288,17 +269,7 @@ def train(job: Job, applied: dict | None = None) -> int:
                 tqdm(total=total, desc="steps", file=sys.stderr, mininterval=5, dynamic_ncols=False) as bar:
             for i in range(total):
                 # data parallel: rank r's batch of step i is its own (batch_size rows per GPU)
-                batch = make_batch(i * _world() + _rank())
-                sync()
-                t = time.perf_counter()
-                r = system.step(batch)
-                sync()
-                dt = time.perf_counter() - t
-                rec = {"step": i, "warmup": i < job.warmup_steps, "loss": _finite(r.loss), "step_time_s": dt,
-                       "system_step_time_s": _finite(getattr(r, "step_time_s", None)),
-                       "lr": _finite(getattr(r, "lr", None)), "grad_norm": _finite(getattr(r, "grad_norm", None)),
-                       "tokens": getattr(r, "tokens", None), "host_rss_gib": mon.last_rss / GIB,
-                       "time": time.time()}
+                rec = timed_step(system, make_batch(i * _world() + _rank()), i, job, mon, sync)
                 if cuda:
                     rec["gpu_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
                 phases = getattr(system, "phase_times", None)  # optional: where the step's time went
@@ -309,39 +280,107 @@ def train(job: Job, applied: dict | None = None) -> int:
                 records.append(rec)
                 bar.update(1)
                 bar.write(progress_line(i, rec, job), file=sys.stderr)
-        mem = system.memory()
-        result["memory"] = mem.to_dict() if hasattr(mem, "to_dict") else dict(vars(mem))
-        if cuda:
-            result["gpu_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
-            result["gpu_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
-        else:
-            result["gpu_peak_allocated_bytes"] = mem.gpu_peak_allocated if mem.gpu_peak_allocated >= 0 else None
-            result["gpu_peak_reserved_bytes"] = mem.gpu_peak_reserved if mem.gpu_peak_reserved >= 0 else None
-        result["host_pinned_bytes"] = mem.host_pinned if getattr(mem, "host_pinned", -1) >= 0 else None
+        record_memory(system, result, cuda)
         result["status"] = "ok"
     except BaseException as e:  # noqa: BLE001 - every failure becomes a row
-        result["status"] = failure_status(e)
-        result["error"] = error_text(e)
-        traceback.print_exc()
-        sys.stderr.flush()
+        record_failure(result, e)
     finally:
-        if system is not None:
-            try:
-                system.close()
-            except Exception as e:  # a failing close does not undo a measurement
-                log(f"[point] warning: close() failed: {error_text(e)}")
-        if mon is not None:
-            peaks = mon.stop()
-            result["host_peak_rss_bytes"] = peaks["host_peak_rss_bytes"]  # None (unknown) if the sampler died
-            result["gpu_peak_nvml_bytes"] = peaks["gpu_peak_nvml_bytes"]
-            if peaks.get("error"):
-                result["host_peak_rss_error"] = peaks["error"]
-                log(f"[point] warning: host peak unknown: {peaks['error']}")
-        result["metrics"] = summarize(records, job)
-        result["duration_s"] = time.time() - t_start
-        _write_json(pdir / "result.json", result)
-        log(f"[point] {result['status']}{': ' + result['error'] if result['error'] else ''}")
+        close_point(job, pdir, result, system, mon, records, t_start, log)
     return 0 if result["status"] == "ok" else 1
+
+
+# -- the frame every point process shares (this module's train and experiments/sft_point.py) --------------
+def open_point(job: Job, applied: dict | None):
+    """The point folder (created), the result.json dict (status "error" until the body says ok) and a
+    flushing ``log``."""
+    pdir = Path(job.point_dir)
+    pdir.mkdir(parents=True, exist_ok=True)
+    result: dict = {"point": job.id, "status": "error", "error": "", "pid": os.getpid(), **(applied or {})}
+    return pdir, result, lambda msg: print(msg, flush=True)
+
+
+def start_point(job: Job, pdir: Path, result: dict):
+    """Write the resolved ``config.yaml``, set torch's threads; returns torch."""
+    import torch
+    import yaml
+
+    (pdir / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(job.to_dict())), sort_keys=False))
+    if job.torch_threads:
+        torch.set_num_threads(int(job.torch_threads))
+    result["torch_threads"] = torch.get_num_threads()  # what the engine's host AdamW sizes itself from
+    return torch
+
+
+def build_measured(job: Job, pdir: Path, result: dict, log, tag: str = "point"):
+    """``build_system(job)``, timed; what the system chose at build time (e.g. which CPU Adam ran) goes into
+    the result and, at once, into ``system_info.json`` (a point killed later, by a host OOM or a timeout,
+    still has its settings in the row)."""
+    t0 = time.time()
+    system = build_system(job)
+    result["build_s"] = time.time() - t0
+    log(f"[{tag}] built {job.system} in {result['build_s']:.1f}s")
+    result["system_info"] = json.loads(json.dumps(getattr(system, "info", {}) or {}, default=str))
+    _write_json(pdir / "system_info.json", result["system_info"])
+    return system
+
+
+def timed_step(system, batch, i: int, job: Job, mon, sync) -> dict:
+    """Step ``i`` on ``batch``, timed between two ``sync()`` calls (CUDA synchronisations: the step's GPU work
+    is inside the bracket, nothing queued before it), as its ``metrics.jsonl`` record."""
+    sync()
+    t = time.perf_counter()
+    r = system.step(batch)
+    sync()
+    dt = time.perf_counter() - t
+    return {"step": i, "warmup": i < job.warmup_steps, "loss": _finite(r.loss), "step_time_s": dt,
+            "system_step_time_s": _finite(getattr(r, "step_time_s", None)),
+            "lr": _finite(getattr(r, "lr", None)), "grad_norm": _finite(getattr(r, "grad_norm", None)),
+            "tokens": getattr(r, "tokens", None), "host_rss_gib": mon.last_rss / GIB, "time": time.time()}
+
+
+def record_memory(system, result: dict, cuda: bool) -> None:
+    """The system's memory report and the GPU's peaks (torch's on CUDA, the system's own elsewhere)."""
+    mem = system.memory()
+    result["memory"] = mem.to_dict() if hasattr(mem, "to_dict") else dict(vars(mem))
+    if cuda:
+        import torch
+
+        result["gpu_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        result["gpu_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    else:
+        result["gpu_peak_allocated_bytes"] = mem.gpu_peak_allocated if mem.gpu_peak_allocated >= 0 else None
+        result["gpu_peak_reserved_bytes"] = mem.gpu_peak_reserved if mem.gpu_peak_reserved >= 0 else None
+    result["host_pinned_bytes"] = mem.host_pinned if getattr(mem, "host_pinned", -1) >= 0 else None
+
+
+def record_failure(result: dict, exc: BaseException) -> None:
+    """Every failure becomes a row: its status (``baselines.oom.failure_status``) and one-line error."""
+    result["status"] = failure_status(exc)
+    result["error"] = error_text(exc)
+    traceback.print_exc()
+    sys.stderr.flush()
+
+
+def close_point(job: Job, pdir: Path, result: dict, system, mon, records: list[dict], t_start: float, log,
+                tag: str = "point") -> None:
+    """Close the system, stop the monitor (host and GPU peaks), summarize the steps and write result.json:
+    always, whatever happened before."""
+    if system is not None:
+        try:
+            system.close()
+        except Exception as e:  # a failing close does not undo a measurement
+            log(f"[{tag}] warning: close() failed: {error_text(e)}")
+    if mon is not None:
+        peaks = mon.stop()
+        result["host_peak_rss_bytes"] = peaks["host_peak_rss_bytes"]  # None (unknown) if the sampler died
+        result["gpu_peak_nvml_bytes"] = peaks["gpu_peak_nvml_bytes"]
+        if peaks.get("error"):
+            result["host_peak_rss_error"] = peaks["error"]
+            log(f"[{tag}] warning: host peak unknown: {peaks['error']}")
+    result["metrics"] = summarize(records, job)
+    result["duration_s"] = time.time() - t_start
+    _write_json(pdir / "result.json", result)
+    log(f"[{tag}] {result['status']}{': ' + result['error'] if result['error'] else ''}")
 
 
 def init_main(job: Job) -> int:

@@ -17,20 +17,15 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import statistics
-import sys
 import time
-import traceback
 from pathlib import Path
 
-from baselines.oom import failure_status
-
-from .point import _finite, _write_json, build_system, error_text, summarize
+from .point import (_finite, build_measured, close_point, open_point, record_failure, record_memory, start_point,
+                    timed_step)
 from .sft_config import SFTConfig
 from .sweeps import Job
 
-GIB = 2**30
 SPEC_KEYS = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
              "num_kv_heads": "num_key_value_heads", "intermediate_size": "intermediate_size",
              "vocab_size": "vocab_size", "tie_embeddings": "tie_word_embeddings"}
@@ -144,22 +139,11 @@ def train(job: Job, applied: dict | None = None) -> int:
 
     from .sft_task import arithmetic
 
-    pdir = Path(job.point_dir)
-    pdir.mkdir(parents=True, exist_ok=True)
-    log = lambda msg: print(msg, flush=True)  # noqa: E731
-    result: dict = {"point": job.id, "status": "error", "error": "", "pid": os.getpid(), **(applied or {})}
-    t_start = time.time()
-    records: list[dict] = []
+    pdir, result, log = open_point(job, applied)
+    t_start, records, system, mon, cuda = time.time(), [], None, None, job.device.startswith("cuda")
     evals: list[dict] = []
-    system = mon = None
-    cuda = job.device.startswith("cuda")
     try:
-        import yaml
-
-        (pdir / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(job.to_dict())), sort_keys=False))
-        if job.torch_threads:
-            torch.set_num_threads(int(job.torch_threads))
-        result["torch_threads"] = torch.get_num_threads()
+        start_point(job, pdir, result)
         cfg = sft_config(job)
         folder = model_folder(cfg, job.cache_dir, log)
         check_spec(folder, job)
@@ -180,11 +164,7 @@ def train(job: Job, applied: dict | None = None) -> int:
         evaluate = sft.Evaluator(folder, fmt, held_out, device=job.device, seq_len=job.seq_len,
                                  batch_size=cfg.eval_batch, gen_batch=cfg.gen_batch, max_new_tokens=cfg.max_new_tokens)
         mon = Monitor(interval=0.2, gpu=cuda).start()
-        t0 = time.time()
-        system = build_system(dataclasses.replace(job, init_dir=str(folder)))
-        result["build_s"] = time.time() - t0
-        result["system_info"] = json.loads(json.dumps(getattr(system, "info", {}) or {}, default=str))
-        log(f"[sft] built {job.system} in {result['build_s']:.1f}s")
+        system = build_measured(dataclasses.replace(job, init_dir=str(folder)), pdir, result, log, "sft")
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         with open(pdir / "metrics.jsonl", "a") as mf, open(pdir / "sft.jsonl", "a") as ef:
             def write(f, row):
@@ -207,47 +187,19 @@ def train(job: Job, applied: dict | None = None) -> int:
                     batch, _ = sft.pack_batch([encoded[j] for j in idx], job.batch_size, job.seq_len, fmt.pad_id)
                 else:
                     batch = sft.pad_batch([encoded[j] for j in idx], job.seq_len, fmt.pad_id)
-                sync()
-                t = time.perf_counter()
-                r = system.step(batch)
-                sync()
-                dt = time.perf_counter() - t
-                rec = {"step": i, "warmup": i < job.warmup_steps, "loss": _finite(r.loss), "step_time_s": dt,
-                       "lr": _finite(getattr(r, "lr", None)), "grad_norm": _finite(getattr(r, "grad_norm", None)),
-                       "tokens": getattr(r, "tokens", None), "host_rss_gib": mon.last_rss / GIB,
-                       **_engine_counters(system)}
+                rec = {**timed_step(system, batch, i, job, mon, sync), **_engine_counters(system)}
                 write(mf, rec)
                 records.append(rec)
                 if (i + 1) % cfg.eval_every == 0 or i + 1 == job.steps:
                     run_eval(i + 1)
             write(ef, {"kind": "summary", "system": job.system, "variant": job.variant, **summary(job, records, evals)})
-        mem = system.memory()
-        result["memory"] = mem.to_dict() if hasattr(mem, "to_dict") else dict(vars(mem))
-        if cuda:
-            result["gpu_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
-            result["gpu_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
-        result["host_pinned_bytes"] = mem.host_pinned if getattr(mem, "host_pinned", -1) >= 0 else None
+        record_memory(system, result, cuda)
         result["sft"] = summary(job, records, evals)
         nonfinite = [r["step"] for r in records if r["loss"] is None or not math.isfinite(r["loss"])]
         result["status"] = "ok" if not nonfinite else "error"
         result["error"] = "" if not nonfinite else f"non-finite training loss at steps {nonfinite[:5]}"
     except BaseException as e:  # noqa: BLE001 - every failure becomes a row
-        result["status"] = failure_status(e)
-        result["error"] = error_text(e)
-        traceback.print_exc()
-        sys.stderr.flush()
+        record_failure(result, e)
     finally:
-        if system is not None:
-            try:
-                system.close()
-            except Exception as e:
-                log(f"[sft] warning: close() failed: {error_text(e)}")
-        if mon is not None:
-            peaks = mon.stop()
-            result["host_peak_rss_bytes"] = peaks["host_peak_rss_bytes"]
-            result["gpu_peak_nvml_bytes"] = peaks["gpu_peak_nvml_bytes"]
-        result["metrics"] = summarize(records, job)
-        result["duration_s"] = time.time() - t_start
-        _write_json(pdir / "result.json", result)
-        log(f"[sft] {result['status']}{': ' + result['error'] if result['error'] else ''}")
+        close_point(job, pdir, result, system, mon, records, t_start, log, "sft")
     return 0 if result["status"] == "ok" else 1

@@ -230,16 +230,25 @@ def merge_options(system: str, base: dict, overrides: dict, variant: str, run_le
     return merged
 
 
+# Variant keys that set a run-level field of every system alike: the batches (``data``), the compute dtype
+# (``dtype``), and ``repeat`` (changes nothing: the same run again as its own point, e.g. to measure a
+# system's run-to-run spread; without it an identical variant is skipped as a duplicate).
+VARIANT_RUN_KEYS = ("data", "dtype", "repeat")
+DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
+
+
 def split_variant(system: str, overrides: dict) -> tuple[dict, dict]:
     """(system options, run fields) of a variant for ``system``. ``optim.<field>`` keys change the
-    optimizer of every system (e.g. ``optim.max_grad_norm: 0``, no clipping) and ``data`` their batches
-    (returned as ``__data__``); the other keys are system
+    optimizer of every system (e.g. ``optim.max_grad_norm: 0``, no clipping) and ``VARIANT_RUN_KEYS``
+    their batches, compute dtype or repetition (returned as ``__data__``, ``__dtype__``, ``__repeat__``); the
+    other keys are system
     options: a typed system (megatrain) gets them all (a typo fails in ``merge_options``), any other
     system gets none of the engine's own option names (they mean nothing to it)."""
     optim = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("optim.")}
-    rest = {k: v for k, v in overrides.items() if not k.startswith("optim.") and k != "data"}
-    if "data" in overrides:  # the batches, like the optimizer, belong to every system
-        optim["__data__"] = overrides["data"]
+    rest = {k: v for k, v in overrides.items() if not k.startswith("optim.") and k not in VARIANT_RUN_KEYS}
+    for key in VARIANT_RUN_KEYS:  # like the optimizer, these belong to every system
+        if key in overrides:
+            optim[f"__{key}__"] = overrides[key]
     if C.SYSTEM_OPTION_SCHEMAS.get(system) is None:
         engine_fields = {f.name for schema in C.SYSTEM_OPTION_SCHEMAS.values() for f in dataclasses.fields(schema)}
         rest = {k: v for k, v in rest.items() if k not in engine_fields}
@@ -248,7 +257,7 @@ def split_variant(system: str, overrides: dict) -> tuple[dict, dict]:
 
 def optim_with(optim: OptimConfig, fields: dict, variant: str) -> OptimConfig:
     """``optim`` with a variant's ``optim.<field>`` values; an unknown field is refused."""
-    fields = {k: v for k, v in fields.items() if k != "__data__"}
+    fields = {k: v for k, v in fields.items() if not k.startswith("__")}  # run fields (split_variant)
     if not fields:
         return optim
     valid = {f.name for f in dataclasses.fields(OptimConfig)}
@@ -354,7 +363,11 @@ def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name
                                 job_common = dict(common, gpus=int(hwe.get("gpus") or common["gpus"]),
                                                   torch_threads=torch_threads_for(cfg.torch_threads, hwe),
                                                   optim=optim_with(common["optim"], optim_over, variant),
-                                                  data=str(optim_over.get("__data__", common["data"])))
+                                                  data=str(optim_over.get("__data__", common["data"])),
+                                                  dtype=str(optim_over.get("__dtype__", common["dtype"])))
+                                if job_common["dtype"] not in DTYPES:
+                                    raise SweepError(f"variant {variant!r}: dtype={job_common['dtype']}; valid: "
+                                                     f"{', '.join(DTYPES)}")
                                 if sw.long_seq_from and seq >= int(sw.long_seq_from):  # fewer, longer steps
                                     job_common.update(steps=int(sw.long_steps),
                                                       warmup_steps=int(sw.long_warmup_steps))

@@ -177,7 +177,29 @@ def score(generated: list[str], answers: list[str]) -> dict:
 
 
 # -- evaluation -----------------------------------------------------------------------------------
-class Evaluator:
+class ReferenceModel:
+    """One plain fp32 HF model (``model_dir``'s architecture, SDPA attention, eval mode) into which any
+    system's fp32 masters are copied, so that every system is evaluated by the same code on the same
+    weights (here and in ``scripts/accuracy_parity.py``)."""
+
+    def __init__(self, model_dir, device="cpu"):
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                          attn_implementation="sdpa").to(self.device).eval()
+        self.tied = bool(self.model.config.tie_word_embeddings)
+
+    def load(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named weights in; every parameter must come from ``weights`` (a tied head may be absent)."""
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        allowed = {"lm_head.weight"} if self.tied else set()
+        if unexpected or set(missing) - allowed:
+            raise KeyError(f"weights do not match the model: missing {sorted(set(missing) - allowed)[:5]}, "
+                           f"unexpected {sorted(unexpected)[:5]}")
+
+
+class Evaluator(ReferenceModel):
     """Held-out loss and greedy accuracy of fp32 weights, through one plain HF model shared by all systems.
 
     ``held_out``: (question, answer) pairs. The loss is the mean cross-entropy over the answer tokens of
@@ -187,24 +209,11 @@ class Evaluator:
 
     def __init__(self, model_dir, fmt: ChatFormat, held_out: list[tuple[str, str]], device="cpu",
                  seq_len: int = 64, batch_size: int = 64, gen_batch: int = 256, max_new_tokens: int = 32):
-        from transformers import AutoModelForCausalLM
-
-        self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
-                                                          attn_implementation="sdpa").to(self.device).eval()
-        self.tied = bool(self.model.config.tie_word_embeddings)
+        super().__init__(model_dir, device)
         self.fmt, self.held_out = fmt, list(held_out)
         self.encoded = [fmt.encode(q, a) for q, a in self.held_out]
         self.seq_len, self.batch_size, self.gen_batch = seq_len, batch_size, gen_batch
         self.max_new_tokens = max_new_tokens
-
-    def load(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named weights in; every parameter must come from ``weights`` (a tied head may be absent)."""
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
-        allowed = {"lm_head.weight"} if self.tied else set()
-        if unexpected or set(missing) - allowed:
-            raise KeyError(f"weights do not match the model: missing {sorted(set(missing) - allowed)[:5]}, "
-                           f"unexpected {sorted(unexpected)[:5]}")
 
     @torch.no_grad()
     def loss(self) -> float:

@@ -54,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from analysis.accuracy import agreement, eval_curves, format_agreement, plot_accuracy, read_rows  # noqa: E402,F401
+from megatrain.sft import ReferenceModel  # noqa: E402
 from megatrain.spec import PRESETS, get_preset  # noqa: E402
 from megatrain.system import IGNORE_INDEX, OptimConfig, shift_labels  # noqa: E402
 
@@ -133,26 +134,14 @@ def held_out_batches(held: bytes, args) -> list[dict]:
 
 
 # -- evaluation -----------------------------------------------------------------------------------
-class Evaluator:
-    """Mean token CE of fp32 weights on fixed batches, through one plain HF model shared by all systems."""
+class Evaluator(ReferenceModel):
+    """Mean token CE of fp32 weights on fixed batches, through one plain HF model shared by all systems
+    (``megatrain.sft.ReferenceModel``: the same model and weight loading as the SFT sweep's evaluation)."""
 
     def __init__(self, init_dir, batches: list[dict], device: str, chunk_tokens: int = 4096):
-        from transformers import AutoModelForCausalLM
-
-        self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(str(init_dir), dtype=torch.float32,
-                                                          attn_implementation="sdpa").to(self.device).eval()
-        self.tied = bool(self.model.config.tie_word_embeddings)
+        super().__init__(init_dir, device)
         self.batches = batches
         self.chunk_tokens = chunk_tokens
-
-    def load(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named weights in; every parameter must come from ``weights`` (a tied head may be absent)."""
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
-        allowed = {"lm_head.weight"} if self.tied else set()
-        if unexpected or set(missing) - allowed:
-            raise KeyError(f"weights do not match the model: missing {sorted(set(missing) - allowed)[:5]}, "
-                           f"unexpected {sorted(unexpected)[:5]}")
 
     @torch.no_grad()
     def __call__(self, weights: dict[str, torch.Tensor]) -> float:

@@ -57,13 +57,16 @@ EOF
   ls "$DIR"/gguf-*.whl >/dev/null 2>&1 || python3 -m pip download --no-deps "$GGUF_PY" -d "$DIR" >/dev/null
   echo "wrote $parts part(s) of $NAME ($size bytes) into $DIR/:"
   ls -l "$DIR"
-  echo "carry one part per device call, the first two calls back to back (the second while the machine is warm):"
+  echo "carry one part per device call, back to back (the second while the machine is still warm, ~30 s);"
+  echo "the exact commands, with the kernels built ahead in the first call: docs/sft.md, 'Getting the GGUF'"
   local i=0 p
   for p in "$DIR/$NAME".part*; do
-    if (( i + 1 < parts )); then
+    if (( i == 0 )); then
+      echo "  call 1: carry [\"$p\", \"wheelhouse\"]: install_offline.sh, copy the part to /tmp/gguf, build kernels"
+    elif (( i + 1 < parts )); then
       echo "  call $((i + 1)): carry [\"$p\"]"
     else
-      echo "  call $((i + 1)): carry [\"$p\", \"$DIR/SHA256SUMS\", \"$(ls "$DIR"/gguf-*.whl)\", \"wheelhouse\"];"
+      echo "  call $((i + 1)): carry [\"$p\", \"$DIR/SHA256SUMS\", \"$(ls "$DIR"/gguf-*.whl)\"];"
       echo "          command: bash scripts/ship_gguf.sh join && ... python -m experiments.run sweep=accuracy_sft"
     fi
     i=$((i + 1))

@@ -3,6 +3,7 @@ the arithmetic task, and the accuracy_sft sweep end to end through the runner (n
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -162,7 +163,8 @@ def test_arithmetic_task_and_order():
 @pytest.mark.slow
 def test_accuracy_sft_sweep_on_cpu(model_dir, tmp_path):
     """sweep=accuracy_sft through the runner: every point ok, same init -> identical step-0 evaluation,
-    the engine (tiered and pure streaming) trains like plain PyTorch, report section and figure written."""
+    the rerun repeats all-on-GPU, the engine (tiered, fp32 variant, pure streaming) trains like plain
+    PyTorch, report section (verdict with the rerun's spread) and figure written."""
     gguf_path = model_dir[1]
     cmd = [sys.executable, "-m", "experiments.run", "sweep=accuracy_sft", "model=tiny-llama", "device=cpu",
            f"sweep.sft.gguf={gguf_path}", "steps=4", "warmup_steps=1", "batch_size=4", "seq_len=96",
@@ -176,7 +178,8 @@ def test_accuracy_sft_sweep_on_cpu(model_dir, tmp_path):
     sweep = tmp_path / "accuracy_sft"
     points = sorted(p for p in sweep.iterdir() if p.is_dir())
     assert [p.name.split("__")[0] + "/" + p.name.split("__")[-2] for p in points] == [
-        "megatrain/default", "megatrain/pure_streaming", "native/default"]
+        "megatrain/default", "megatrain/fp32", "megatrain/pure_streaming", "native/default", "native/fp32",
+        "native/rerun", "native/rerun_ulp"]
     runs = {}
     for p in points:
         rows = [json.loads(line) for line in (p / "sft.jsonl").read_text().splitlines()]
@@ -186,7 +189,10 @@ def test_accuracy_sft_sweep_on_cpu(model_dir, tmp_path):
     ref_rows, ref_steps = runs["native/default"]
     assert [r["step"] for r in ref_rows if r["kind"] == "eval"] == [0, 2, 4]
     assert ref_rows[-1]["kind"] == "summary" and ref_rows[-1]["clip_fraction"] is not None
-    for name in ("megatrain/default", "megatrain/pure_streaming"):
+    rerun_rows, rerun_steps = runs["native/rerun"]  # the same run again (on the CPU: bit for bit)
+    assert [r["loss"] for r in rerun_steps] == [r["loss"] for r in ref_steps]
+    assert [r["eval_loss"] for r in rerun_rows[:-1]] == [r["eval_loss"] for r in ref_rows[:-1]]
+    for name in ("megatrain/default", "megatrain/fp32", "megatrain/pure_streaming"):
         rows, steps = runs[name]
         assert rows[0]["eval_loss"] == ref_rows[0]["eval_loss"]  # same weights in, same evaluation
         for a, b in zip(steps, ref_steps):
@@ -196,32 +202,46 @@ def test_accuracy_sft_sweep_on_cpu(model_dir, tmp_path):
         assert "speculated" in steps[0] and "speculated_fraction" in rows[-1]
     report = (tmp_path / "REPORT.md").read_text()
     assert "## Table 3 on a pretrained model" in report and "Verdict: **agree**" in report
+    assert re.search(r"all-on-GPU vs all-on-GPU 0\.\d{4} nats \(step \d+, .*\[rerun", report)  # the spread
     assert (tmp_path / "plots" / "accuracy_sft.png").is_file()
     assert (tmp_path / "cache" / "gguf").is_dir()  # converted once into the cache
 
 
-def test_accuracy_sft_sweep_expands_to_the_four_points(tmp_path):
-    """Same data and optimizer for every point; pure streaming only for MegaTrain; a missing GGUF is refused
-    before anything runs, with the way to get it."""
+def test_accuracy_sft_sweep_expands_to_its_eight_points(tmp_path):
+    """Same data and optimizer for every point; the rerun (all-on-GPU again, nothing changed) and the fp32
+    pair are points of their own; pure streaming only for MegaTrain; a bad variant dtype and a missing GGUF
+    are refused before anything runs, the latter with the way to get it."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     from experiments import sweeps
 
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(REPO / "experiments" / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["sweep=accuracy_sft", "steps=120"])
-        jobs = sweeps.expand(cfg, lambda g, n: compose(config_name="config",
-                                                       overrides=["sweep=accuracy_sft", f"{g}={n}"])[g],
-                             device="cuda", gpu_name="NVIDIA H200")
-    GlobalHydra.instance().clear()
-    assert [(j.system, j.variant) for j in jobs] == [("native", "default"), ("megatrain", "default"),
-                                                    ("zero3", "default"), ("megatrain", "pure_streaming")]
-    assert jobs[3].options["gpu_resident"] == "0" and jobs[1].options["gpu_resident"] == "auto"
+    def expand(*overrides):
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(REPO / "experiments" / "conf"), version_base="1.3"):
+                cfg = compose(config_name="config", overrides=["sweep=accuracy_sft", *overrides])
+                return sweeps.expand(cfg, lambda g, n: compose(config_name="config",
+                                                               overrides=["sweep=accuracy_sft", f"{g}={n}"])[g],
+                                     device="cuda", gpu_name="NVIDIA H200")
+        finally:
+            GlobalHydra.instance().clear()
+
+    jobs = expand("steps=120")
+    assert [(j.system, j.variant, j.dtype) for j in jobs] == [
+        ("native", "default", "auto"), ("megatrain", "default", "auto"), ("zero3", "default", "auto"),
+        ("native", "rerun", "auto"), ("native", "rerun_ulp", "auto"), ("native", "fp32", "fp32"),
+        ("megatrain", "fp32", "fp32"), ("megatrain", "pure_streaming", "auto")]
+    assert jobs[7].options["gpu_resident"] == "0" and jobs[1].options["gpu_resident"] == "auto"
+    assert jobs[6].options == jobs[1].options  # fp32 changes the compute dtype only
+    assert jobs[3].options == jobs[0].options and jobs[3].id != jobs[0].id  # the same run again, its own point
+    assert tuple(jobs[4].optim.betas) == (0.9, 0.9500001) and jobs[0].optim.betas == (0.9, 0.95)  # 2 fp32 ulps
     assert {(j.steps, j.optim.total_steps, j.optim.lr, j.batch_size, j.seq_len, j.seed) for j in jobs} == {
         (120, 120, 2e-4, 64, 48, 0)}
     assert all(j.sft["gguf"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and j.sft["n_eval"] == 500 for j in jobs)
     assert jobs[0].num_params == 134_515_008  # the smollm2-135m preset = the GGUF's model
+    with pytest.raises(sweeps.SweepError, match="dtype=fp33"):
+        expand("+sweep.variants.bad={dtype: fp33}")
     import dataclasses
 
     missing = dataclasses.replace(jobs[0], sft=dict(jobs[0].sft, gguf=str(tmp_path / "none.gguf")))

@@ -1,0 +1,208 @@
+"""Judging the SFT accuracy sweep: every run against all-on-GPU training at its own compute dtype, held
+against all-on-GPU's own run-to-run spread where the sweep measured it. Pure functions on the run dicts of
+``analysis.sft_report.collect`` (no torch, no files), so the rules are tested on synthetic rows.
+
+A run: ``{"system", "variant", "label", "status", "dtype", "evals": [{"step", "eval_loss", "exact_match"?}],
+"steps": [{"step", "loss", "grad_norm"}], "summary": {"exact_match_after", ...}}``.
+
+* **Reference** of a dtype: the all-on-GPU (``native``) run of that dtype that is not a repeat (variant
+  ``default`` first). A run is compared with the reference of its own dtype: an fp32 run with fp32
+  all-on-GPU, a bf16 run with bf16 all-on-GPU.
+* **Spread** of a dtype: the repeats of the reference (variants ``rerun*``: the same run again, or
+  perturbed at the size of rounding) compared with it the same way: how far all-on-GPU lands from itself
+  (GPU nondeterminism, or an ulp, amplified by training); with several, the farthest.
+* **Verdict** of an exact system: ``agree`` when its held-out loss is within ``LOSS_TOL`` nats of the
+  reference at every evaluation and its final exact match within ``ACC_TOL`` (the issue's target);
+  else ``agree within run-to-run spread`` when its largest gap is no larger than the reference's against
+  itself (and its accuracy gap within 1 point or the spread's); else ``disagree``. Both numbers are always
+  stated. A system that is not exact AdamW (``NOT_EXACT``) gets no verdict, only where it lands.
+"""
+from __future__ import annotations
+
+import math
+
+REF_SYSTEM = "native"
+REPEAT_PREFIX = "rerun"  # a variant named rerun* repeats a run unchanged (``repeat:`` in the sweep yaml)
+LOSS_TOL, ACC_TOL = 0.01, 0.01  # nats; accuracy as a fraction (1 point)
+NOT_EXACT = frozenset({"zenflow", "superoffload_noclip"})  # other update rules: where they land, no verdict
+AGREE, WITHIN_SPREAD, DISAGREE = "agree", "agree within run-to-run spread", "disagree"
+FAILED, INCOMPLETE = "failed", "not comparable"  # no row / evaluations or step count unlike the reference's
+
+
+def is_repeat(run: dict) -> bool:
+    return str(run.get("variant", "")).startswith(REPEAT_PREFIX)
+
+
+def curve(run: dict, key: str) -> dict[int, float]:
+    """``{step: value}`` of the run's evaluations that have ``key``."""
+    return {int(e["step"]): float(e[key]) for e in run.get("evals", []) if e.get(key) is not None}
+
+
+def references(runs: list[dict]) -> dict[str, dict]:
+    """``{dtype: reference run}``: the all-on-GPU run of each dtype that is not a repeat (``default`` first)."""
+    refs: dict[str, dict] = {}
+    for run in sorted(runs, key=lambda r: r.get("variant") != "default"):
+        if run["system"] == REF_SYSTEM and not is_repeat(run) and run.get("evals"):
+            refs.setdefault(run["dtype"], run)
+    return refs
+
+
+def _step0(run: dict, base: dict) -> tuple[float | None, float | None]:
+    """Training loss and relative gradient-norm difference at the first step: same weights, same batch, so
+    this is the two systems' arithmetic alone (no training dynamics yet)."""
+    a, b = (run.get("steps") or [None])[0], (base.get("steps") or [None])[0]
+    if not a or not b or a.get("loss") is None or b.get("loss") is None:
+        return None, None
+    dloss = abs(float(a["loss"]) - float(b["loss"]))
+    na, nb = a.get("grad_norm"), b.get("grad_norm")
+    dnorm = abs(float(na) - float(nb)) / abs(float(nb)) if (na is not None and nb) else None
+    return dloss, dnorm
+
+
+def compare(run: dict, base: dict) -> dict:
+    """``run`` against ``base`` over their common evaluations: the largest |held-out loss difference| and its
+    step, the final exact-match difference (run − base), the base's evaluations the run lacks, and the
+    first step's training-loss and gradient-norm differences."""
+    bl, loss = curve(base, "eval_loss"), curve(run, "eval_loss")
+    devs = {s: abs(loss[s] - bl[s]) for s in bl if s in loss}
+    worst = max(devs, key=lambda s: (not math.isfinite(devs[s]), devs[s], s), default=None)  # ties: the latest
+    acc, bacc = run.get("summary", {}).get("exact_match_after"), base.get("summary", {}).get("exact_match_after")
+    d0, n0 = _step0(run, base)
+    return {"max_loss_dev": devs[worst] if worst is not None else None, "at_step": worst,
+            "acc_dev": (acc - bacc) if (acc is not None and bacc is not None) else None,
+            "missing_steps": sorted(set(bl) - set(loss)), "step0_loss_dev": d0, "step0_norm_rel": n0,
+            "steps": len(run.get("steps") or []), "ref_steps": len(base.get("steps") or [])}
+
+
+def judge(cmp: dict, spread: dict | None, status: str = "ok") -> str:
+    """The verdict of one exact run from its comparison and its dtype's spread (None: not measured)."""
+    if status != "ok":
+        return FAILED
+    if cmp["max_loss_dev"] is None or cmp["missing_steps"] or cmp["acc_dev"] is None \
+            or cmp["steps"] != cmp["ref_steps"] or not math.isfinite(cmp["max_loss_dev"]):
+        return INCOMPLETE
+    gap, dacc = cmp["max_loss_dev"], abs(cmp["acc_dev"])
+    if gap <= LOSS_TOL and dacc <= ACC_TOL + 1e-12:
+        return AGREE
+    if spread is not None and spread.get("max_loss_dev") is not None and spread.get("acc_dev") is not None:
+        if gap <= spread["max_loss_dev"] and dacc <= max(ACC_TOL, abs(spread["acc_dev"])) + 1e-12:
+            return WITHIN_SPREAD
+    return DISAGREE
+
+
+def agreement(runs: list[dict]) -> dict:
+    """Every run judged against the reference of its dtype.
+
+    Returns ``{"verdict", "refs": {dtype: label}, "spread": {dtype: comparison of the repeat}, "runs":
+    {label: comparison + "dtype", "role" (reference / spread / exact / not exact), "verdict"}}``; the
+    overall verdict is over the exact runs: ``agree`` if all agree, ``agree within run-to-run spread`` if
+    all agree or are within it, else ``disagree`` (``no reference`` without an all-on-GPU run)."""
+    refs = references(runs)
+    if not refs:
+        return {"verdict": "no reference", "refs": {}, "spread": {}, "runs": {}}
+    spread: dict[str, dict] = {}
+    out: dict[str, dict] = {}
+    for run in runs:  # the repeats first: every exact run of the dtype is held against them
+        base = refs.get(run["dtype"])
+        if run["system"] == REF_SYSTEM and is_repeat(run) and base is not None:
+            cmp = compare(run, base)
+            if run["status"] == "ok" and not cmp["missing_steps"] and cmp["steps"] == cmp["ref_steps"] \
+                    and cmp["max_loss_dev"] is not None and cmp["acc_dev"] is not None:
+                # several repeats: the spread is the farthest all-on-GPU landed from itself (loss and accuracy)
+                old = spread.get(run["dtype"])
+                if old is None or cmp["max_loss_dev"] > old["max_loss_dev"]:
+                    spread[run["dtype"]] = dict(cmp, label=run["label"],
+                                                acc_dev=max(cmp["acc_dev"], old["acc_dev"] if old else 0.0, key=abs))
+                else:
+                    old["acc_dev"] = max(old["acc_dev"], cmp["acc_dev"], key=abs)
+            out[run["label"]] = dict(cmp, dtype=run["dtype"], role="spread", verdict="")
+    for run in runs:
+        base = refs.get(run["dtype"])
+        if run is base or run["label"] in out:
+            continue
+        if base is None:
+            out[run["label"]] = {"dtype": run["dtype"], "role": "exact", "verdict": "no reference",
+                                 "max_loss_dev": None, "at_step": None, "acc_dev": None}
+            continue
+        cmp = compare(run, base)
+        if run["system"] in NOT_EXACT:
+            out[run["label"]] = dict(cmp, dtype=run["dtype"], role="not exact", verdict="not exact AdamW")
+        else:
+            out[run["label"]] = dict(cmp, dtype=run["dtype"], role="exact",
+                                     verdict=judge(cmp, spread.get(run["dtype"]), run["status"]))
+    for dtype, base in refs.items():
+        out[base["label"]] = {"dtype": dtype, "role": "reference", "verdict": "reference", "max_loss_dev": None,
+                              "at_step": None, "acc_dev": None}
+    # Overall, over the exact runs that ran: a failed one is named, not counted as agreeing or disagreeing.
+    judged = [v["verdict"] for v in out.values() if v["role"] == "exact" and v["verdict"] != FAILED]
+    failed = [label for label, v in out.items() if v["role"] == "exact" and v["verdict"] == FAILED]
+    if judged and all(v == AGREE for v in judged):
+        verdict = AGREE
+    elif judged and all(v in (AGREE, WITHIN_SPREAD) for v in judged):
+        verdict = WITHIN_SPREAD
+    else:
+        verdict = DISAGREE if judged else "nothing to judge"
+    return {"verdict": verdict, "failed": failed, "refs": {d: r["label"] for d, r in refs.items()},
+            "spread": spread, "runs": out}
+
+
+def _nats(x) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
+
+
+def _tiny(x) -> str:  # first-step differences: fp32 ones are ~1e-6, bf16 ones ~1e-3
+    return "n/a" if x is None else f"{x:.1e}"
+
+
+def explain(result: dict, runs: list[dict]) -> list[str]:
+    """One sentence per exact run: its gap (nats, at which step; accuracy points) beside all-on-GPU's own
+    spread at that dtype (or that none was measured), and its verdict; then what the fp32 pair says of
+    the bf16 gap when the sweep ran both."""
+    lines = []
+    for run in runs:
+        v = result["runs"].get(run["label"])
+        if not v or v["role"] not in ("exact", "not exact"):
+            continue
+        if v["verdict"] == FAILED:
+            lines.append(f"- {run['label']} ({v['dtype']}): {run['status']}"
+                         f"{': ' + run.get('error', '')[:120] if run.get('error') else ''} → not judged.")
+            continue
+        sp = result["spread"].get(v["dtype"])
+        gap = f"max |Δ held-out loss| {_nats(v['max_loss_dev'])} nats" + (
+            f" (step {v['at_step']})" if v.get("at_step") is not None else "")
+        acc = "" if v.get("acc_dev") is None else f", Δ exact match {100 * v['acc_dev']:+.1f} points"
+        if sp is None:
+            against = f"all-on-GPU vs itself not measured at {v['dtype']}"
+        else:
+            against = (f"all-on-GPU vs all-on-GPU {_nats(sp['max_loss_dev'])} nats (step {sp['at_step']}, "
+                       f"{sp['label']}), {100 * sp['acc_dev']:+.1f} points")
+        lines.append(f"- {run['label']} ({v['dtype']}): {gap}{acc}; {against} → **{v['verdict']}**.")
+    # What bf16 itself does to all-on-GPU (a yardstick for the bf16 gaps above)
+    refs = {r["dtype"]: r for r in runs if result["refs"].get(r["dtype"]) == r["label"]}
+    if "bf16" in refs and "fp32" in refs:
+        c = compare(refs["bf16"], refs["fp32"])
+        lines.append(f"- All-on-GPU bf16 vs all-on-GPU fp32 (what bf16 alone does to the reference): max |Δ held-out "
+                     f"loss| {_nats(c['max_loss_dev'])} nats (step {c['at_step']}), first step "
+                     f"{_tiny(c['step0_loss_dev'])}.")
+    # The same system at both dtypes: did one arithmetic (fp32) close the gap that bf16 showed?
+    by = {}
+    for run in runs:
+        v = result["runs"].get(run["label"])
+        if v and v["role"] == "exact":
+            by.setdefault((run["system"], run.get("tier", "")), {})[v["dtype"]] = (run["label"], v)
+    for d in by.values():
+        if "bf16" in d and "fp32" in d:
+            (lb, vb), (lf, vf) = d["bf16"], d["fp32"]
+            if vf["verdict"] == AGREE and vb["verdict"] != AGREE:
+                lines.append(f"- With one arithmetic (fp32) {lf} stays within {LOSS_TOL} nats of all-on-GPU "
+                             f"({_nats(vf['max_loss_dev'])}; first step {_tiny(vf['step0_loss_dev'])}), where in "
+                             f"bf16 it does not ({_nats(vb['max_loss_dev'])}; first step "
+                             f"{_tiny(vb['step0_loss_dev'])}): the bf16 gap comes from bf16 arithmetic, not from "
+                             f"the engine's schedule or update.")
+            elif vf["verdict"] != AGREE:
+                lines.append(f"- With one arithmetic (fp32) {lf} is still {_nats(vf['max_loss_dev'])} nats from "
+                             f"all-on-GPU (first step {_tiny(vf['step0_loss_dev'])}; bf16: {_nats(vb['max_loss_dev'])},"
+                             f" first step {_tiny(vb['step0_loss_dev'])}): the gap is not bf16's alone"
+                             + (" but within all-on-GPU's own fp32 spread." if vf["verdict"] == WITHIN_SPREAD
+                                else "."))
+    return lines

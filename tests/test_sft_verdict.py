@@ -1,0 +1,130 @@
+"""The SFT sweep's judging rules (analysis/sft_verdict.py) on synthetic runs: each run against all-on-GPU at
+its own dtype, held against all-on-GPU's own run-to-run spread where the sweep measured it, both numbers
+always stated; failed, incomplete and not-exact runs kept out of the overall verdict."""
+from __future__ import annotations
+
+import pytest
+
+from analysis import sft_verdict as V
+from analysis.sft_report import run_dtype, run_label
+
+STEPS = (0, 25, 50, 75, 100)
+
+
+def run(system, variant="default", dtype="bf16", *, offsets=None, acc=0.95, status="ok", steps=100, step0=3.4575,
+        label=None, tier=""):
+    """A run whose held-out loss is the reference curve plus ``offsets`` (one per eval step)."""
+    base = {0: 3.39, 25: 0.19, 50: 0.12, 75: 0.07, 100: 0.04}
+    offsets = offsets or {}
+    evals = [{"step": s, "eval_loss": base[s] + offsets.get(s, 0.0)} for s in STEPS]
+    evals[0]["exact_match"], evals[-1]["exact_match"] = 0.0, acc
+    return {"system": system, "variant": variant, "dtype": dtype, "status": status, "tier": tier,
+            "label": label or f"{system}/{variant}", "evals": evals if status == "ok" else [],
+            "steps": [{"step": i, "loss": step0 if i == 0 else 1.0, "grad_norm": 51.0} for i in range(steps)],
+            "summary": {"exact_match_after": acc} if status == "ok" else {}, "error": "" if status == "ok" else "boom"}
+
+
+def test_within_tolerance_agrees():
+    runs = [run("native"), run("megatrain", offsets={50: 0.004}, acc=0.948, step0=3.4610)]
+    res = V.agreement(runs)
+    v = res["runs"]["megatrain/default"]
+    assert res["verdict"] == V.AGREE and v["verdict"] == V.AGREE
+    assert v["max_loss_dev"] == pytest.approx(0.004) and v["at_step"] == 50
+    assert v["acc_dev"] == pytest.approx(-0.002) and v["step0_loss_dev"] == pytest.approx(0.0035)
+    assert res["runs"]["native/default"]["role"] == "reference"
+
+
+def test_gap_without_a_measured_spread_disagrees_and_says_so():
+    runs = [run("native"), run("megatrain", offsets={50: -0.08})]
+    res = V.agreement(runs)
+    assert res["verdict"] == V.DISAGREE and res["spread"] == {}
+    line = V.explain(res, runs)[0]
+    assert "0.0800 nats (step 50)" in line and "not measured at bf16" in line and "**disagree**" in line
+
+
+def test_gap_within_all_on_gpu_spread_is_said_with_both_numbers():
+    runs = [run("native"), run("megatrain", offsets={50: -0.08}, acc=0.94),
+            run("native", "rerun", offsets={50: -0.09, 75: 0.01}, acc=0.93)]
+    res = V.agreement(runs)
+    assert res["spread"]["bf16"]["max_loss_dev"] == pytest.approx(0.09)
+    assert res["runs"]["megatrain/default"]["verdict"] == V.WITHIN_SPREAD
+    assert res["runs"]["native/rerun"]["role"] == "spread"  # the repeat measures, it is not judged
+    assert res["verdict"] == V.WITHIN_SPREAD
+    line = V.explain(res, runs)[0]
+    assert "0.0800 nats (step 50)" in line and "all-on-GPU vs all-on-GPU 0.0900 nats (step 50, native/rerun)" in line
+    assert "agree within run-to-run spread" in line
+
+
+def test_several_reruns_the_farthest_is_the_spread():
+    """A bit-identical rerun (deterministic GPU) and an ulp-perturbed one: the spread is the larger distance,
+    and the accuracy spread the larger of theirs."""
+    runs = [run("native", acc=0.95), run("megatrain", offsets={50: -0.06}, acc=0.942),
+            run("native", "rerun", acc=0.95), run("native", "rerun_ulp", offsets={50: 0.07}, acc=0.955)]
+    res = V.agreement(runs)
+    sp = res["spread"]["bf16"]
+    assert sp["label"] == "native/rerun_ulp" and sp["max_loss_dev"] == pytest.approx(0.07)
+    assert sp["acc_dev"] == pytest.approx(0.005)
+    assert res["runs"]["native/rerun"]["max_loss_dev"] == 0.0 and res["runs"]["native/rerun"]["role"] == "spread"
+    assert res["runs"]["megatrain/default"]["verdict"] == V.WITHIN_SPREAD  # 0.06 <= 0.07 nats, -0.8 points
+    runs[1] = run("megatrain", offsets={50: -0.06}, acc=0.935)  # -1.5 points: beyond 1 point and the spread's 0.5
+    assert V.agreement(runs)["runs"]["megatrain/default"]["verdict"] == V.DISAGREE
+
+
+
+def test_gap_larger_than_the_spread_disagrees():
+    runs = [run("native"), run("megatrain", offsets={50: 0.08}), run("native", "rerun", offsets={25: 0.02})]
+    res = V.agreement(runs)
+    assert res["runs"]["megatrain/default"]["verdict"] == V.DISAGREE and res["verdict"] == V.DISAGREE
+    assert "all-on-GPU vs all-on-GPU 0.0200 nats (step 25, native/rerun)" in V.explain(res, runs)[0]
+
+
+def test_accuracy_gap_beyond_one_point_and_the_spread_disagrees():
+    runs = [run("native", acc=0.95), run("megatrain", offsets={50: 0.01}, acc=0.90),
+            run("native", "rerun", offsets={50: 0.05}, acc=0.94)]
+    assert V.agreement(runs)["runs"]["megatrain/default"]["verdict"] == V.DISAGREE
+
+
+def test_each_dtype_has_its_own_reference_and_the_fp32_pair_explains_the_bf16_gap():
+    runs = [run("native"), run("megatrain", offsets={50: 0.08}, step0=3.4610, label="MT", tier="tiered"),
+            run("native", "fp32", "fp32", offsets={50: 0.5}, step0=3.50),
+            run("megatrain", "fp32", "fp32", offsets={50: 0.5002}, step0=3.5000004, label="MT fp32", tier="tiered")]
+    res = V.agreement(runs)
+    assert res["refs"] == {"bf16": "native/default", "fp32": "native/fp32"}
+    fp32 = res["runs"]["MT fp32"]
+    assert fp32["verdict"] == V.AGREE and fp32["max_loss_dev"] == pytest.approx(2e-4, abs=1e-9)  # vs native fp32
+    assert fp32["step0_loss_dev"] == pytest.approx(4e-7, abs=1e-9)
+    assert res["runs"]["MT"]["verdict"] == V.DISAGREE and res["verdict"] == V.DISAGREE  # never hidden
+    lines = V.explain(res, runs)
+    assert any("With one arithmetic (fp32) MT fp32 stays within" in ln and "bf16 arithmetic" in ln for ln in lines)
+    assert any("bf16 vs all-on-GPU fp32" in ln and "0.5000 nats (step 50)" in ln for ln in lines)
+    # and when fp32 does not close it, the report says the gap is not bf16's alone
+    runs[3] = run("megatrain", "fp32", "fp32", offsets={50: 0.56}, label="MT fp32", tier="tiered")
+    assert any("not bf16's alone" in ln for ln in V.explain(V.agreement(runs), runs))
+
+
+def test_failed_incomplete_and_not_exact_runs():
+    runs = [run("native"), run("megatrain", offsets={50: 0.001}), run("zero3", status="error"),
+            run("megatrain", "short", steps=50, label="short"), run("zenflow", offsets={50: 0.3})]
+    res = V.agreement(runs)
+    assert res["runs"]["zero3/default"]["verdict"] == V.FAILED and res["failed"] == ["zero3/default"]
+    assert res["runs"]["short"]["verdict"] == V.INCOMPLETE  # 50 steps against 100: not the same run
+    assert res["runs"]["zenflow/default"]["role"] == "not exact"
+    assert res["verdict"] == V.DISAGREE  # the incomplete one; zenflow and the failure do not count
+    del runs[3]
+    assert V.agreement(runs)["verdict"] == V.AGREE
+    assert any("zero3/default (bf16): error: boom → not judged" in ln for ln in V.explain(V.agreement(runs), runs))
+
+
+def test_no_reference():
+    assert V.agreement([run("megatrain")])["verdict"] == "no reference"
+
+
+def test_dtype_and_labels_of_rows():
+    assert run_dtype("bf16", {}, "H200") == "bf16" and run_dtype("float32", {}, "H200") == "fp32"
+    assert run_dtype("auto", {"dtype": "auto", "device": "cuda"}, "H200") == "bf16"
+    assert run_dtype(None, {"dtype": "fp32"}, "H200") == "fp32" and run_dtype("auto", {}, "cpu") == "fp32"
+    labels = {run_label("megatrain", "default", "tiered", "H200"), run_label("megatrain", "fp32", "tiered", "H200"),
+              run_label("megatrain", "pure_streaming", "pure streaming", "H200"),
+              run_label("native", "rerun", "", "H200"), run_label("native", "default", "", "H200")}
+    assert labels == {"MegaTrain tiered", "MegaTrain tiered [fp32]", "MegaTrain pure streaming",
+                      "All-on-GPU [rerun]", "All-on-GPU"}
