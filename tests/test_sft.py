@@ -217,7 +217,7 @@ def test_accuracy_sft_sweep_expands_to_the_four_points(tmp_path):
     GlobalHydra.instance().clear()
     assert [(j.system, j.variant) for j in jobs] == [("native", "default"), ("megatrain", "default"),
                                                     ("zero3", "default"), ("megatrain", "pure_streaming")]
-    assert jobs[3].options["gpu_resident"] == "0" and jobs[1].options["gpu_resident"] == "auto"
+    assert jobs[3].options.gpu_resident == "0" and jobs[1].options.gpu_resident == "auto"
     assert {(j.steps, j.optim.total_steps, j.optim.lr, j.batch_size, j.seq_len, j.seed) for j in jobs} == {
         (120, 120, 2e-4, 64, 48, 0)}
     assert all(j.sft["gguf"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and j.sft["n_eval"] == 500 for j in jobs)
