@@ -42,6 +42,22 @@ def expand(compose_fn, *overrides, device="cuda", gpu_name="NVIDIA H200"):
     return cfg, sweeps.expand(cfg, load, device=device, gpu_name=gpu_name)
 
 
+def test_paper_width_and_depth_shapes():
+    """docs/reproduction.md "The paper's width shapes": our depth axis reproduces the paper's 180 layers =
+    43B; our width 5x (hidden and FFN x 5: 166.5B parameters, 2.0 TB of fp32 master + Adam state) could not
+    be held by either of the paper's hosts (a 480 GB GH200; 1.5 TB on the H200), so it is not the paper's."""
+    from megatrain.memory import host_estimate
+    from megatrain.spec import PRESETS
+
+    base = PRESETS["qwen2.5-7b"]
+    assert abs(base.scaled(depth=180).num_params() / 43e9 - 1) < 0.005  # the paper: "180 layers (43B)"
+    billions = [round(base.scaled(depth=28, width=w).num_params() / 1e9, 1) for w in (1, 1.5, 2, 3, 4, 5)]
+    assert billions == [7.6, 15.4, 28.1, 61.4, 107.5, 166.5]
+    host = lambda w: host_estimate(base.scaled(depth=28, width=w))["total_bytes"]  # noqa: E731
+    assert host(5) > 1.5e12 and round(host(5) / 1e12, 2) == 2.0  # beyond the paper's largest host
+    assert host(2.25) < 480e9 < host(2.5)  # the widest of ours a 480 GB GH200 could hold
+
+
 def test_every_sweep_file_exists_and_expands(compose_fn):
     assert sorted(p.stem for p in (CONF / "sweep").glob("*.yaml")) == sorted(SWEEPS)
     for name in SWEEPS:
