@@ -204,7 +204,7 @@ def to_row(job: Job, result: dict, env: dict) -> Row:
         # the engine's plan used (the node's own total stays in runs.jsonl's env)
         host_ram_gib=hw.get("host_ram_gib") or env.get("host_ram_gib"), date=_now(),
         duration_s=result.get("duration_s"), optimizer=info.get("optimizer", ""),
-        dtype=resolved_dtype(job), data=job.data, cpu_cores=result.get("cpu_cores") or hw.get("cpu_cores"), torch_threads=result.get("torch_threads"),
+        dtype=engine.compute_dtype if engine is not None else resolved_dtype(job), data=job.data, cpu_cores=result.get("cpu_cores") or hw.get("cpu_cores"), torch_threads=result.get("torch_threads"),
         host_link_gbps=result.get("host_link_gbps") or hw.get("host_link_gbps"),
         gpu_resident=str(getattr(engine, "gpu_resident", "")),
         checkpoint_interval=getattr(engine, "checkpoint_interval", None),

@@ -112,7 +112,9 @@ class Job:
         schema = C.SYSTEM_OPTION_SCHEMAS.get(d["system"])
         if schema is not None and isinstance(d.get("options"), dict):  # job.json: the typed options again
             opts = dict(d["options"])
-            d["options"] = schema(**dict(opts, optim=_optim(opts["optim"])) if "optim" in opts else opts)
+            if "optim" in opts:
+                opts["optim"] = _optim(opts["optim"])
+            d["options"] = schema(**opts)
         return cls(optim=optim, **d)
 
     @classmethod
