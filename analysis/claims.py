@@ -55,9 +55,10 @@ def load_claims(path: str | Path = CLAIMS_PATH) -> dict:
 
 
 def _check_optional_fields(path: Path, c: dict) -> None:
-    """``note`` is a string; ``evidence`` (a side channel of benchmark files) is gone: rows only."""
-    if "note" in c and not isinstance(c["note"], str):
-        raise ClaimsError(f"{path}: claim {c['id']}: 'note' must be a string")
+    """``note`` and ``shape_differs`` are strings; ``evidence`` (a side channel of benchmark files) is gone: rows only."""
+    for key in ("note", "shape_differs"):
+        if key in c and not isinstance(c[key], str):
+            raise ClaimsError(f"{path}: claim {c['id']}: '{key}' must be a string")
     if "evidence" in c:
         raise ClaimsError(f"{path}: claim {c['id']}: 'evidence' files are no longer read; every number comes "
                           f"from a sweep row (add a sweep or bench entry that measures it)")
@@ -445,6 +446,9 @@ def evaluate_claim(claim: dict, rows: pd.DataFrame, tol: float, hw_names: dict) 
     if judge is None:
         raise ClaimsError(f"claim {claim['id']}: unknown compare {claim['compare']!r}")
     judge(j, claim, rows, r, tol, metric, unit, paper_hw, hw_names)
+    if claim.get("shape_differs") and j.verdict.kind != "not measured":
+        # our row is another model than the paper's: whatever it shows, it is no verdict on the paper's
+        j.verdict = Verdict("not comparable", f"{claim['shape_differs']}; the row alone: {j.verdict}")
     return j
 
 

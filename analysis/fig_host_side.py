@@ -3,9 +3,7 @@ panels sharing the throughput axis, the real host the right-most point of each (
 registers it)."""
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 
 import pandas as pd
 
@@ -13,19 +11,16 @@ from .claims import _num
 from .style import *  # noqa: F403
 from .style import _band_positions, _fail_handle, _finish, _legend, _new_figure, _safe_max, _set_band_ylim  # noqa: F401
 
-
-
-REAL_LINK_FALLBACK_GBPS = 55.0  # the H200 host's measured pinned H2D, when no result.json says it
-REAL_HOST_CORES = {"H200": 16}  # when no row of the real host says its cpu_cores (e.g. every row skipped)
 HOST_SIDE_PANELS = (  # (kind, hardware-profile prefix, x-axis label)
     ("cores", "cores-", "CPU cores (capped; log₂ axis)"),
     ("link", "link-", "host link (GB/s; slowed by emulation; log₂ axis)"),
     ("ram", "host-", "host RAM cap (GiB; log₂ axis)"),
 )
+# what the real host's x is in each panel, for the words "not measured" where no row says it
+REAL_FACT = {"cores": "CPU cores", "link": "host link", "ram": "host RAM"}
 # both series are MegaTrain: MegaTrain's colour first, then Okabe-Ito colours the other systems do not lead with
 SERIES_COLORS = (SYSTEM_COLOR["megatrain"], "#0072B2", "#009E73", "#CC79A7", "#E69F00", "#555555")
 SERIES_MARKERS = ("o", "s", "^", "D", "v", "P")
-_REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _profile_number(hardware: str, prefix: str) -> float | None:
@@ -46,31 +41,6 @@ def _host_side_kind(r) -> str | None:
     return None
 
 
-def _measured_real_link(df, results_dir=None) -> float | None:
-    """The real host link (pinned H2D GB/s) the link-* points measured before slowing it:
-    ``<results>/<sweep>/<point>/result.json`` system_info.host_link.real_h2d_gbps (median)."""
-    roots = [Path(p) for p in (results_dir, df.attrs.get("results_dir")) if p]
-    roots += [Path.cwd() / "results", _REPO_ROOT / "results"]
-    vals = []
-    for _, r in df.iterrows():
-        for root in dict.fromkeys(roots):
-            p = root / str(r["sweep"]) / str(r["point"]) / "result.json"
-            if not p.is_file():
-                continue
-            try:
-                d = json.loads(p.read_text())
-            except (OSError, ValueError):
-                continue
-            if not isinstance(d, dict) or d.get("point") != r["point"] or \
-                    (d.get("gpu_name") and r["gpu_name"] and d.get("gpu_name") != r["gpu_name"]):
-                continue  # another run's folder
-            v = _num(((d.get("system_info") or {}).get("host_link") or {}).get("real_h2d_gbps"))
-            if v and v > 0:
-                vals.append(v)
-                break
-    return float(pd.Series(vals).median()) if vals else None
-
-
 def _series_name(model: str, variant: str, num_params) -> str:
     """('qwen2.5-14b', 'tiered') -> '14B tiered'."""
     m = re.search(r"(\d+(?:\.\d+)?)[bB]$", str(model))
@@ -87,24 +57,31 @@ def _fail_reason(r) -> str:
     return f"{short}: needs {need:.1f} GiB" if need is not None else short
 
 
-def _host_side_rows(df, results_dir=None):
-    """The rows with their panel kind, series and x value per panel; and the real host's x values."""
+def _real_host_facts(df) -> dict:
+    """The real host's x in each panel, from typed row fields only (None: no row measured it).
+
+    * cores: ``cpu_cores`` of a real-host row, else of a row whose profile caps something else (it ran on
+      the same node, one CSV being one machine's, with all of its cores);
+    * RAM: ``host_ram_gib`` of a real-host row (the node's total, as the row records it);
+    * link: never in a row (``host_link_gbps`` is the emulated link only; the real one is not a column)."""
+    real = df[df["_kind"] == "real"]
+    uncapped = df[df["_kind"].isin(["real", "link", "ram"])]
+    cores = [c for c in (_num(v) for v in uncapped["cpu_cores"]) if c]
+    ram = [r for r in (_num(v) for v in real["host_ram_gib"]) if r]
+    return {"cores": max(cores) if cores else None, "ram": max(ram) if ram else None, "link": None}
+
+
+def _host_side_rows(df):
+    """The rows with their panel kind, series and x value per panel; the real host's measured facts (None:
+    not measured), and its x per panel: the fact, or one log₂ step right of the panel's profiles where the
+    rows do not measure it."""
     df = df.copy().reset_index(drop=True)
     df["_kind"] = df.apply(_host_side_kind, axis=1)
     df["_series"] = list(zip(df["model"].astype(str), df["variant"].astype(str)))
     df = df.drop_duplicates(subset=["_series", "hardware"], keep="last")
-    real = df[df["_kind"] == "real"]
-    cores_all = [_num(r.get("cpu_cores")) for _, r in df[df["_kind"] != "cores"].iterrows()]
-    real_cores = next((c for c in (_num(r.get("cpu_cores")) for _, r in real.iterrows()) if c), None) \
-        or (max(c for c in cores_all if c) if any(cores_all) else None) \
-        or next((REAL_HOST_CORES[h] for h in real["hardware"] if h in REAL_HOST_CORES), None)
-    real_ram = _num(real["host_ram_gib"].max()) if not real.empty else None
-    measured = _measured_real_link(df, results_dir)
-    real_x = {"cores": real_cores, "ram": real_ram, "link": measured or REAL_LINK_FALLBACK_GBPS}
+    facts = _real_host_facts(df)
 
     def x_of(r, kind):
-        if r["_kind"] == "real":
-            return real_x[kind]
         prefix = dict((k, p) for k, p, _ in HOST_SIDE_PANELS)[kind]
         if kind == "cores":
             return _num(r.get("cpu_cores")) or _profile_number(r["hardware"], prefix)
@@ -112,19 +89,23 @@ def _host_side_rows(df, results_dir=None):
             return _num(r.get("host_link_gbps")) or _profile_number(r["hardware"], prefix)
         return _num(r["host_ram_gib"]) or _profile_number(r["hardware"], prefix)
 
+    real_x = {}
     for kind, _, _ in HOST_SIDE_PANELS:
-        df[f"_x_{kind}"] = [x_of(r, kind) if r["_kind"] in (kind, "real") else None for _, r in df.iterrows()]
-    return df, real_x, measured
+        xs = [x for x in (x_of(r, kind) for _, r in df[df["_kind"] == kind].iterrows()) if x]
+        real_x[kind] = facts[kind] or (2 * max(xs) if xs else 1.0)
+        df[f"_x_{kind}"] = [(real_x[kind] if r["_kind"] == "real" else x_of(r, kind)) if r["_kind"] in (kind, "real")
+                            else None for _, r in df.iterrows()]
+    return df, real_x, facts
 
 
-def fig_host_side(df, out, formats, results_dir=None):
+def fig_host_side(df, out, formats):
     """Three panels sharing the throughput axis: CPU cores, host link, host RAM cap; the real host is the
     right-most point of each. One line per model/mode, every point with its value and ratio to the same
     series on the real host; a point that did not run is an × in the grey band with its reason."""
     from matplotlib.lines import Line2D  # noqa: PLC0415
     import matplotlib.transforms as mtransforms  # noqa: PLC0415
 
-    rows, real_x, measured_link = _host_side_rows(df, results_dir)
+    rows, real_x, facts = _host_side_rows(df)
     ok_mask = rows["status"] == "ok"
     metric, unit, fmt = "tflops", "TFLOPS", "{:.0f}"
     if on_cpu(rows) or (not rows.loc[ok_mask, "tflops"].notna().any()
@@ -192,9 +173,8 @@ def fig_host_side(df, out, formats, results_dir=None):
             for v in xs:
                 if v not in real_xs:
                     labels.append(f"{v:g}")
-                elif kind == "link":
-                    labels.append(f"{v:.1f}\n(real host:\nmeasured pinned H2D)" if measured_link else
-                                  f"~{v:g}\n(measured pinned H2D)")
+                elif facts[kind] is None:  # placed right of the profiles: no row says the real value
+                    labels.append(f"real host\n({REAL_FACT[kind]}\nnot measured)")
                 else:
                     labels.append(f"{v:.3g}\n(real host)")
             ax.set_xticks(xs)
@@ -239,13 +219,12 @@ def fig_host_side(df, out, formats, results_dir=None):
 
     hw = rows.loc[rows["_kind"] == "real", "hardware"]
     host = hw.iloc[0] if not hw.empty else "real host"
-    link_txt = (f"{real_x['link']:.1f} GB/s measured pinned H2D" if measured_link
-                else f"~{REAL_LINK_FALLBACK_GBPS:g} GB/s pinned H2D (not measured in these rows)")
-    facts = ", ".join(t for t in (f"{real_x['cores']:g} CPU cores" if real_x["cores"] else "",
-                                  link_txt, f"{real_x['ram']:.0f} GiB RAM" if real_x["ram"] else "") if t)
+    known = {"cores": lambda v: f"{v:g} CPU cores", "ram": lambda v: f"{v:.0f} GiB RAM"}
+    said = ", ".join(known[k](facts[k]) if facts[k] is not None else f"{REAL_FACT[k]} not measured in these rows"
+                     for k, _, _ in HOST_SIDE_PANELS)
     lines = [(FORMULA_NOTE if metric == "tflops" else "tokens/s = tokens per step / median step time.")
              + f"  Label: {unit} (ratio to the same model/mode on the real host)."]
-    lines.append(f"Real host ({host}): {facts}. Emulated profiles run on the same machine with one resource "
+    lines.append(f"Real host ({host}): {said}. Emulated profiles run on the same machine with one resource "
                  "capped: cores-N limits the training process (and torch threads) to N cores, link-N slows "
                  "host↔GPU copies to N GB/s, host-N caps host RAM at N GiB. Series: "
                  + "; ".join(f"{names[k][0]} = {k[0]}" for k in series)

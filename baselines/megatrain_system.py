@@ -1,9 +1,12 @@
 """The MegaTrain engine behind the shared TrainSystem interface (what the runner and baselines see).
 
-``options`` are ``megatrain.config.EngineConfig`` fields, as they are: the runner's hydra schema of this
-system *is* EngineConfig, so an option goes from the command line (``system.options.gpu_resident=0``)
-through the job into ``EngineConfig(**options)`` unchanged. The fields the runner sets for every system
-(device, micro_batches, optim) come as arguments, not options.
+``options`` is the engine's ``megatrain.config.EngineConfig``: the runner's hydra schema of this system
+*is* EngineConfig, and the runner builds the point's one EngineConfig at expansion
+(``experiments.sweeps.merge_options``), so an option goes from the command line
+(``system.options.gpu_resident=0``) through ``job.json`` to ``MegaTrain`` as that object, untouched. The
+run-level fields every system gets as arguments (device, compute dtype, micro-batches, optim) must agree
+with it. A caller may pass a dict of the other fields instead (tests, scripts): it becomes the
+EngineConfig here, with the arguments' run-level fields.
 """
 from __future__ import annotations
 
@@ -17,29 +20,36 @@ RUN_LEVEL = ("device", "compute_dtype", "micro_batches", "optim")
 OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name not in RUN_LEVEL)
 
 
-def engine_config(options: dict | None, *, optim: OptimConfig, micro_batches: int, device: str,
+def engine_config(options: EngineConfig | dict | None, *, optim: OptimConfig, micro_batches: int, device: str,
                   compute_dtype: str = "auto") -> EngineConfig:
-    """``EngineConfig`` of the options plus the run-level fields; unknown or run-level keys raise."""
+    """The engine's config: ``options`` itself when it is an ``EngineConfig`` (its run-level fields must be
+    the arguments'), else the dict's fields plus the run-level arguments; unknown or run-level keys raise."""
+    run_level = dict(device=device, compute_dtype=compute_dtype, micro_batches=micro_batches, optim=optim)
+    if isinstance(options, EngineConfig):
+        clash = [k for k, v in run_level.items() if getattr(options, k) != v]
+        if clash:
+            raise ValueError("megatrain options disagree with the run: " + ", ".join(
+                f"{k}={getattr(options, k)!r} vs {run_level[k]!r}" for k in clash))
+        return options
     options = dict(options or {})
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ValueError(f"unknown megatrain options {unknown}; valid: {', '.join(OPTIONS)}")
-    return EngineConfig(device=device, compute_dtype=compute_dtype, micro_batches=micro_batches, optim=optim,
-                        **options)
+    return EngineConfig(**run_level, **options)
 
 
 class MegaTrainSystem:
     name = "megatrain"
 
     def __init__(self, *, init_dir, optim: OptimConfig, micro_batches: int = 1, device: str = "cuda",
-                 dtype=None, activation_checkpointing: bool = True, options: dict | None = None,
+                 dtype=None, activation_checkpointing: bool = True, options: EngineConfig | dict | None = None,
                  step_shape: tuple[int, int] | None = None, dist=None, hf_config=None):
         import torch
 
         from megatrain.engine import MegaTrain
 
         # Activation checkpointing is intrinsic to the engine (block recompute); the flag is accepted for
-        # interface symmetry and K comes from options["checkpoint_interval"].
+        # interface symmetry and K comes from the options' checkpoint_interval.
         dtype = torch.bfloat16 if dtype is None else dtype
         compute = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[dtype]
         cfg = engine_config(options, optim=optim, micro_batches=micro_batches, device=device,

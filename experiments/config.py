@@ -2,9 +2,10 @@
 
 The schemas are the engine's own dataclasses wherever the engine has one, so nothing is declared twice:
 
-* ``system=megatrain``: ``options`` *is* ``megatrain.config.EngineConfig`` (``system.options.gpu_resident=0``
-  reaches ``EngineConfig.gpu_resident`` unchanged; its run-level fields, device, compute_dtype,
-  micro_batches, optim and max_position_embeddings, are set by the runner for every system alike);
+* ``system=megatrain``: ``options`` *is* ``megatrain.config.EngineConfig``; ``experiments.sweeps`` makes
+  each point's one EngineConfig from it, which reaches the engine untouched (its run-level fields, device,
+  compute_dtype, micro_batches, optim, max_position_embeddings and seed, are set by the runner for every
+  system alike);
 * ``optim``: ``megatrain.system.OptimConfig`` (``optim.lr=3e-4``), the same for every system;
 * ``model``: one option per ``megatrain.spec.PRESETS`` entry, registered here from the presets
   (``model=qwen2.5-14b model.depth=8``): the presets are the one record of a model family;
@@ -77,7 +78,7 @@ class MegatrainSystemConfig(SystemConfig):
 SYSTEM_SCHEMAS: dict[str, type] = {"megatrain": MegatrainSystemConfig}
 SYSTEM_OPTION_SCHEMAS: dict[str, type] = {"megatrain": EngineConfig}
 # EngineConfig fields the runner sets for every system alike (not options of one system).
-RUN_LEVEL_ENGINE_FIELDS = ("device", "compute_dtype", "micro_batches", "optim", "max_position_embeddings")
+RUN_LEVEL_ENGINE_FIELDS = ("device", "compute_dtype", "micro_batches", "optim", "max_position_embeddings", "seed")
 # EngineConfig fields a hardware profile sets (``HardwareConfig`` fields of the same name), not options.
 HARDWARE_ENGINE_FIELDS = ("host_link_gbps",)
 

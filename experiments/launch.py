@@ -168,7 +168,7 @@ def to_row(job: Job, result: dict, env: dict) -> Row:
     ok = result.get("status") == "ok"
     hw = job.hardware
     info = result.get("system_info") or {}
-    opts = job.options or {}
+    engine = job.options if job.system == "megatrain" else None  # its EngineConfig
     timed = (lambda k: m.get(k) if ok else None)  # noqa: E731 - step statistics only from a finished point
     # placement: what the engine reported at build, else (not launched) what its plan predicted
     tiers = info.get("tiers") or (job.tiers or {})
@@ -204,10 +204,10 @@ def to_row(job: Job, result: dict, env: dict) -> Row:
         # the engine's plan used (the node's own total stays in runs.jsonl's env)
         host_ram_gib=hw.get("host_ram_gib") or env.get("host_ram_gib"), date=_now(),
         duration_s=result.get("duration_s"), optimizer=info.get("optimizer", ""),
-        dtype=resolved_dtype(job), data=job.data, cpu_cores=result.get("cpu_cores"), torch_threads=result.get("torch_threads"),
+        dtype=engine.compute_dtype if engine is not None else resolved_dtype(job), data=job.data, cpu_cores=result.get("cpu_cores") or hw.get("cpu_cores"), torch_threads=result.get("torch_threads"),
         host_link_gbps=result.get("host_link_gbps") or hw.get("host_link_gbps"),
-        gpu_resident=str(opts.get("gpu_resident", "")) if job.system == "megatrain" else "",
-        checkpoint_interval=opts.get("checkpoint_interval") if job.system == "megatrain" else None,
+        gpu_resident=str(getattr(engine, "gpu_resident", "")),
+        checkpoint_interval=getattr(engine, "checkpoint_interval", None),
         settings=json.dumps(info["settings"], sort_keys=True, separators=(",", ":"), default=str)
         if info.get("settings") else "",
     )

@@ -69,11 +69,11 @@ def resolve_dtype(dtype: str, device: str):
 
 
 def build_system(job: Job):
-    """The job's TrainSystem: its ``factory`` if set, else ``baselines.registry.build_system``; the
-    job's options go to the system unchanged (megatrain: ``EngineConfig(**options)``)."""
+    """The job's TrainSystem: its ``factory`` if set, else ``baselines.registry.build_system``. The job's
+    options are handed on as they are (megatrain: the ``EngineConfig`` the engine is built with)."""
     kwargs = dict(init_dir=job.init_dir, optim=job.optim, micro_batches=job.micro_batches, device=job.device,
                   dtype=resolve_dtype(job.dtype, job.device),
-                  activation_checkpointing=job.activation_checkpointing, options=dict(job.options or {}))
+                  activation_checkpointing=job.activation_checkpointing, options=job.options)
     if job.factory:
         factory = load_callable(job.factory)
         if _accepts(factory, "name"):
@@ -88,9 +88,8 @@ def build_system(job: Job):
         from megatrain.distributed import DataParallel
 
         extra["dist"] = DataParallel()
-    if not job.init_dir:  # shared_init=false: the engine initialises from the seed (megatrain only)
+    if not job.init_dir:  # shared_init=false: the engine initialises from its options' seed (megatrain only)
         extra["hf_config"] = job.model_spec().to_hf_config()
-        kwargs["options"].setdefault("seed", job.seed)
     return registry_build(job.system, step_shape=(job.batch_size, job.seq_len), **kwargs, **extra)
 
 

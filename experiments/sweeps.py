@@ -62,7 +62,10 @@ class Job:
     micro_batches: int
     # hardware_entry: name, label, gpu_mem_gib, peak_tflops, emulated, gpus, cpu_cores, host_ram_gib, host_link_gbps
     hardware: dict
-    options: dict  # the system's options (variant applied); megatrain: EngineConfig fields
+    # The system's options, variant applied. A typed system's are its schema (megatrain: the whole
+    # ``EngineConfig`` the engine is built with, run-level fields included, made once by ``merge_options``
+    # and handed on untouched); any other system's, a dict its builder reads.
+    options: Any
     activation_checkpointing: bool = True
     factory: str | None = None
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -105,14 +108,26 @@ class Job:
     @classmethod
     def from_dict(cls, d: dict) -> "Job":
         d = dict(d)
-        o = dict(d.pop("optim", None) or {})
-        if "betas" in o:
-            o["betas"] = tuple(o["betas"])
-        return cls(optim=OptimConfig(**o), **d)
+        optim = _optim(d.pop("optim", None))
+        schema = C.SYSTEM_OPTION_SCHEMAS.get(d["system"])
+        if schema is not None and isinstance(d.get("options"), dict):  # job.json: the typed options again
+            opts = dict(d["options"])
+            if "optim" in opts:
+                opts["optim"] = _optim(opts["optim"])
+            d["options"] = schema(**opts)
+        return cls(optim=optim, **d)
 
     @classmethod
     def load(cls, path) -> "Job":
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _optim(d: dict | None) -> OptimConfig:
+    """``OptimConfig`` from its dict (JSON turns ``betas`` into a list)."""
+    d = dict(d or {})
+    if "betas" in d:
+        d["betas"] = tuple(d["betas"])
+    return OptimConfig(**d)
 
 
 def _container(node) -> Any:
@@ -189,12 +204,13 @@ def torch_threads_for(run_level: int | None, hw: dict) -> int | None:
 
 
 def merge_options(system: str, base: dict, overrides: dict, variant: str, run_level: dict,
-                  cli_keys: frozenset = frozenset()) -> dict:
-    """System options with a variant's overrides. Typed systems (megatrain: EngineConfig) reject unknown
-    keys and bad values here, before anything runs, and get the run-level engine fields (the same for
-    every system) from ``run_level``; setting one of those as a system option is an error. An option set
-    on the command line (``cli_keys``) that a variant sets to another value is refused: neither may
-    silently win."""
+                  cli_keys: frozenset = frozenset()):
+    """System options with a variant's overrides. A typed system (megatrain) gets its schema: the one
+    ``EngineConfig`` its engine is built with, made here and nowhere else (unknown keys and bad values fail
+    before anything runs), with the run-level fields (the same for every system: device, compute dtype,
+    micro-batches, optimizer, positions, seed, the profile's host link) from ``run_level``; setting one of
+    those as a system option is an error. Any other system gets a dict. An option set on the command line
+    (``cli_keys``) that a variant sets to another value is refused: neither may silently win."""
     for key in sorted(set(overrides) & set(cli_keys)):
         if str(overrides[key]) != str(base.get(key)):
             raise SweepError(f"system.options.{key}={base.get(key)} on the command line clashes with variant "
@@ -216,18 +232,22 @@ def merge_options(system: str, base: dict, overrides: dict, variant: str, run_le
         if merged.get(key) != defaults.get(key):
             raise SweepError(f"system {system!r} option {key!r} is run-level (the same for every system): "
                              f"set {key}=... instead of system.options.{key}")
-        merged.pop(key, None)
     for key in C.HARDWARE_ENGINE_FIELDS:
         if merged.get(key) != defaults.get(key):
             raise SweepError(f"system {system!r} option {key!r} belongs to the hardware profile (its row must "
                              f"say emulated): set hardware.{key}=... or use a profile with it")
-        merged.pop(key, None)
     merged.update(run_level)
     try:
-        schema(**{k: v for k, v in merged.items()})
+        return schema(**merged)
     except (TypeError, ValueError) as e:
         raise SweepError(f"variant {variant!r} of system {system!r}: {e}") from None
-    return merged
+
+
+def compute_dtype(dtype: str, device: str) -> str:
+    """The run's ``dtype`` as the point computes in it: "auto" is bf16 on a GPU; a CPU computes in fp32."""
+    if device == "cpu":
+        return "fp32"
+    return {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
 
 
 # Variant keys that set a run-level field of every system alike: the batches (``data``), the compute dtype
@@ -327,7 +347,9 @@ def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name
     common = dict(optim=optim, steps=int(cfg.steps), warmup_steps=int(cfg.warmup_steps), seed=int(cfg.seed),
                   data=str(cfg.data),
                   device=device, dtype=str(cfg.dtype), torch_threads=cfg.torch_threads, gpus=int(cfg.gpus))
-    run_level = {"max_position_embeddings": max_pos}
+    # the engine fields every system shares (EngineConfig's run-level ones; the optimizer per variant)
+    run_level = {"device": device, "compute_dtype": compute_dtype(str(cfg.dtype), device),
+                 "micro_batches": int(cfg.micro_batches), "max_position_embeddings": max_pos, "seed": int(cfg.seed)}
 
     points: list[Job] = []
     seen, runs = set(), set()
@@ -351,15 +373,6 @@ def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name
                                 if same in runs:
                                     continue  # what applies of this variant equals an earlier one: the same run twice
                                 runs.add(same)
-                                opts = merge_options(system, sc.get("options") or {}, sys_over, variant,
-                                                     dict(run_level, host_link_gbps=hwe.get("host_link_gbps")),
-                                                     cli_options if cfg.system is not None
-                                                     and system == cfg.system.name else frozenset())
-                                pid = point_id(system, model, spec.num_layers, width, seq, batch, variant,
-                                               hwe["label"])
-                                if pid in seen:
-                                    continue
-                                seen.add(pid)
                                 job_common = dict(common, gpus=int(hwe.get("gpus") or common["gpus"]),
                                                   torch_threads=torch_threads_for(cfg.torch_threads, hwe),
                                                   optim=optim_with(common["optim"], optim_over, variant),
@@ -368,6 +381,17 @@ def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name
                                 if job_common["dtype"] not in DTYPES:
                                     raise SweepError(f"variant {variant!r}: dtype={job_common['dtype']}; valid: "
                                                      f"{', '.join(DTYPES)}")
+                                opts = merge_options(system, sc.get("options") or {}, sys_over, variant,
+                                                     dict(run_level, optim=job_common["optim"],
+                                                          compute_dtype=compute_dtype(job_common["dtype"], device),
+                                                          host_link_gbps=hwe.get("host_link_gbps")),
+                                                     cli_options if cfg.system is not None
+                                                     and system == cfg.system.name else frozenset())
+                                pid = point_id(system, model, spec.num_layers, width, seq, batch, variant,
+                                               hwe["label"])
+                                if pid in seen:
+                                    continue
+                                seen.add(pid)
                                 if sw.long_seq_from and seq >= int(sw.long_seq_from):  # fewer, longer steps
                                     job_common.update(steps=int(sw.long_steps),
                                                       warmup_steps=int(sw.long_warmup_steps))
@@ -398,7 +422,7 @@ def host_estimate(point: Job, device: str, gpu_total: int | None = None) -> dict
         return None
     if point.system == "megatrain" and device != "cpu" and gpu_total:
         return _megatrain_plan(point, gpu_capacity_bytes(point, gpu_total) - CUDA_CONTEXT_BYTES)
-    options = point.options if point.system == "megatrain" else None
+    options = asdict(point.options) if point.system == "megatrain" else None
     try:
         return est(point.model_spec(), micro_batches=point.micro_batches, options=options,
                    on_gpu=device != "cpu")
@@ -421,13 +445,13 @@ def _megatrain_plan(point: Job, gpu_bytes: int) -> dict:
         plan = plan or plan_for_spec(spec, point.options, gpu_free=gpu_bytes, host_available=1 << 62, **kw)
     except MemoryError as e:  # the GPU side alone does not fit: the host side of pure streaming, for the numbers
         refusal = str(e).splitlines()[0].replace("model does not fit: ", "")
-        plan = plan_for_spec(spec, dict(point.options, gpu_resident="0"), gpu_free=1 << 62,
+        plan = plan_for_spec(spec, replace(point.options, gpu_resident="0"), gpu_free=1 << 62,
                              host_available=1 << 62, **kw)
     host = sum(plan.host_parts.values())
     out = {"total_bytes": host, "num_params": spec.num_params(), "bytes_per_param": host / spec.num_params(),
            "gpu_refusal": refusal, "plan": plan.summary(), "tiers": tier_counts(plan)}
     if refusal:  # what the streaming plan needs on the GPU against what the GPU has after the plan's margin
-        margin = int(float(point.options.get("gpu_margin_gib", 0) or 0) * GIB)
+        margin = int(float(point.options.gpu_margin_gib or 0) * GIB)
         out.update(gpu_need_bytes=sum(plan.gpu_parts.values()), gpu_usable_bytes=gpu_bytes - margin)
     return out
 

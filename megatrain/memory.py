@@ -132,18 +132,23 @@ def spec_group_numels(spec) -> dict[str, int]:
     return {"embed": embed, **{f"layer.{i}": per_layer for i in range(spec.num_layers)}, "final": final}
 
 
-def plan_for_spec(spec, options: dict | None = None, *, micro_batches: int = 1, tokens_per_step: int,
+def plan_for_spec(spec, options=None, *, micro_batches: int = 1, tokens_per_step: int,
                   gpu_free: int, host_available: int, seq_len: int | None = None) -> "placement.Placement":
     """The engine's two-tier placement plan for a ``ModelSpec`` on a GPU with ``gpu_free`` bytes, without
     building anything (the runner uses it to skip points that cannot fit). Raises ``placement.DoesNotFit``
     (a MemoryError) with the numbers as the engine would. ``host_available``: the host RAM the engine will
     see (the step-time model chooses the tiers within it; an unlimited host could make it choose a plan the
     real host cannot hold); ``seq_len``: tokens per sequence (attention FLOPs in the model; default one
-    sequence per micro-batch)."""
+    sequence per micro-batch). ``options``: an ``EngineConfig`` (the runner's, as the engine will get it:
+    its ``micro_batches`` win) or a dict of its fields."""
     from .config import EngineConfig
 
-    opts = {k: v for k, v in dict(options or {}).items() if k in {f.name for f in fields(EngineConfig)}}
-    cfg = EngineConfig(micro_batches=micro_batches, **opts)
+    if isinstance(options, EngineConfig):
+        cfg = options
+        micro_batches = cfg.micro_batches
+    else:
+        opts = {k: v for k, v in dict(options or {}).items() if k in {f.name for f in fields(EngineConfig)}}
+        cfg = EngineConfig(micro_batches=micro_batches, **opts)
     shape = step_shape(cfg, num_layers=spec.num_layers, hidden=spec.hidden_size, ffn=spec.intermediate_size,
                        vocab=spec.vocab_size, tokens_per_micro_batch=max(1, tokens_per_step // micro_batches),
                        compute_bytes=2, on_gpu=True,

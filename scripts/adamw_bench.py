@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,20 +25,30 @@ from megatrain.optim import adamw_  # noqa: E402
 from megatrain.system import OptimConfig  # noqa: E402
 
 
-def timeit(fn, reps):
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(reps):
+def timeit(fn, reps: int, before=None) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``fn``, after one untimed warm-up call; ``before``, if given, runs
+    untimed ahead of every call (e.g. restoring the state the call changes). The host AdamW benches share it."""
+    times = []
+    for _ in range(reps + 1):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
         fn()
-    return (time.perf_counter() - t0) / reps
+        times.append(time.perf_counter() - t0)
+    return times[1:]
+
+
+def bench_args(doc: str) -> argparse.Namespace:
+    """The host AdamW benches' command line: ``--params`` (elements of one update), ``--reps``, ``--out``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--params", type=float, default=5e8, help="elements updated per call")
+    ap.add_argument("--reps", type=int, default=5, help="timed calls per case (after one untimed)")
+    ap.add_argument("--out", required=True, help="folder the JSONL lines are appended to")
+    return ap.parse_args()
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--params", type=float, default=5e8)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = bench_args(__doc__)
     n = int(args.params)
     cfg = OptimConfig(lr=1e-4, weight_decay=0.1)
     p, m, v = torch.randn(n), torch.randn(n) * 1e-3, torch.rand(n) * 1e-6
@@ -63,7 +74,7 @@ def main():
     cases.append((f"fallback: bf16 widened + torch fused ({threads} threads)", 26,
                   lambda: fallback.step(p, g16, m, v, step, 1e-4, 1.0)))
     for name, bpp, fn in cases:
-        dt = timeit(fn, args.reps)
+        dt = statistics.mean(timeit(fn, args.reps))
         gps = n / dt / 1e9
         row = dict(kernel=name, params=n, seconds=dt, gparam_per_s=gps, bytes_per_param=bpp, gb_per_s=gps * bpp)
         rows.append(row)

@@ -11,10 +11,8 @@ no-clip path's overlap is what it buys.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,14 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatrain import cpu_adamw  # noqa: E402
 from megatrain.system import OptimConfig  # noqa: E402
+from scripts.adamw_bench import bench_args, timeit  # noqa: E402  (one timing loop for the host AdamW benches)
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--params", type=float, default=5e8)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = bench_args(__doc__)
     n = int(args.params)
     cfg = OptimConfig(lr=1e-4, weight_decay=0.1)
     kernel = cpu_adamw.HostKernel(cfg)
@@ -48,16 +43,6 @@ def main():
         for t, s in zip((p, m, v), state):
             t.copy_(s)
 
-    def timed(fn, before=None):
-        times = []
-        for _ in range(args.reps + 1):
-            if before:
-                before()
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times[1:])
-
     cases = {
         "step": (lambda: kernel.step(p, g, m, v, step, 1e-4, 1.0), restore),
         "speculate": (lambda: kernel.step(p, g, m, v, step, 1e-4, 1.0, speculative=True),
@@ -71,7 +56,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "speculate.jsonl", "a") as f:
         for name, (fn, before) in cases.items():
-            dt = timed(fn, before)
+            dt = min(timeit(fn, args.reps, before))
             row = dict(case=name, params=n, threads=kernel.threads, seconds=dt, gparam_per_s=n / dt / 1e9,
                        saved_elements=kernel.saved_elements, deferred_blocks=kernel.deferred_blocks)
             f.write(json.dumps(row) + "\n")

@@ -150,6 +150,26 @@ def test_claims_file_refuses_evidence_files(tmp_path):
     assert not any("evidence" in c or c["id"].startswith("ref_") for c in C.load_claims()["claims"])
 
 
+def test_a_claim_on_another_shape_than_the_papers_is_not_comparable(tmp_path):
+    """``shape_differs``: our row is another model than the paper's (the width axis, docs/reproduction.md):
+    a predicted OOM or a measured number on it is no verdict on the paper's claim; without a row it stays
+    "not measured". The committed width claims say so."""
+    rows = _frame(tmp_path, [_row("zero3", 72, "skipped", **HOST), _row("megatrain", 7, tflops=100.0)])
+    why = "not the paper's model: ours is wider"
+    oom = _claim("oom", "status", "zero3", {"params_b": 72}, paper="OOM", expect="oom")
+    assert _v(oom, rows).kind == "predicted"
+    v = _v({**oom, "shape_differs": why}, rows)
+    assert v.kind == "not comparable" and v.detail.startswith(why) and "predicted" in v.detail
+    num = _claim("num", "absolute", "megatrain", {"params_b": 7}, shape_differs=why)
+    assert _v(num, rows).kind == "not comparable"
+    assert _v({**num, "where": {"params_b": 32}}, rows).kind == "not measured"
+    with pytest.raises(C.ClaimsError, match="shape_differs"):
+        C._check_optional_fields(Path("x.yaml"), {**oom, "shape_differs": 1})
+    width = {c["id"]: c for c in C.load_claims()["claims"] if c["section"] == "width"}
+    assert {i for i, c in width.items() if c.get("shape_differs")} == {
+        "width_5x", "width_5x_zero3_oom", "width_4x_fsdp_oom", "width_5x_fsdp_oom"}
+
+
 def test_committed_report_is_what_the_committed_rows_give():
     """results/REPORT.md is regenerated from results/*/results.csv and the claims file, byte for byte."""
     text, errors = report.build_report(ROOT / "results", plots_dir=ROOT / "plots",

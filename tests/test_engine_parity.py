@@ -7,7 +7,7 @@ import torch
 from megatrain import EngineConfig, MegaTrain, OptimConfig, PRESETS
 from megatrain.data import synthetic_batch
 
-from reference import reference_model, reference_train
+from reference import reference_model, reference_train, weight_rel_diffs
 
 RTOL = 1e-5
 STEPS = 5
@@ -39,37 +39,85 @@ def run_engine(hf_config, cfg, data, engine_kwargs=None, stats_out=None):
     return init, losses, final
 
 
+def inject_nan_gradient(engine, group: str, at_call: int) -> None:
+    """Make ``group``'s ``at_call``-th final gradient (one per group and step) hold a NaN, as a real
+    overflow would, to test that the step is skipped."""
+    orig, calls = engine._grad_ready, {"n": 0}
+
+    def grad_ready(name, flat, st):
+        if name == group:
+            calls["n"] += 1
+            if calls["n"] == at_call:
+                flat = flat.clone()
+                flat[3] = float("nan")
+        return orig(name, flat, st)
+
+    engine._grad_ready = grad_ready
+
+
+def optimizer_snapshot(engine) -> dict:
+    """Copies of every host/GPU-tier group's master, m, v and step count, keyed (kind, group)."""
+    st = engine.store
+    return {(k, n): t[n].detach().cpu().clone() for k, t in (("p", st.master), ("m", st.m), ("v", st.v),
+                                                            ("step", st.steps)) for n in t}
+
+
+def assert_state_restored(before: dict, after: dict, exact) -> None:
+    """After a skipped step, every tensor of ``optimizer_snapshot`` as it was: bit for bit where
+    ``exact(key)`` (nothing was applied early), else within fp32 rounding (early updates undone)."""
+    for key, t in before.items():
+        if exact(key):
+            assert torch.equal(t, after[key]), key
+        else:
+            rel = float((t.double() - after[key].double()).norm() / max(float(t.double().norm()), 1e-30))
+            assert rel <= 1e-6, (key, rel)
+
+
+def train_past_a_nan_step(engine, data, at: int, check) -> tuple[list, dict]:
+    """Train ``engine`` (closed at the end) on ``data``, step ``at`` having a NaN gradient
+    (``inject_nan_gradient``): that step must warn "step skipped"; ``check(before, after, result)`` judges
+    it from the ``optimizer_snapshot``s around it. Returns the other steps' losses and the final weights,
+    for ``assert_matches_reference`` on the data without step ``at``."""
+    losses = []
+    for s, b in enumerate(data):
+        if s != at:
+            losses.append(engine.step(b).loss)
+            continue
+        engine.synchronize()  # the previous step's update runs in the background
+        before = optimizer_snapshot(engine)
+        with pytest.warns(RuntimeWarning, match="step skipped"):
+            result = engine.step(b)
+        engine.synchronize()
+        check(before, optimizer_snapshot(engine), result)
+    final = {k: v.clone() for k, v in engine.state_dict().items()}
+    engine.close()
+    return losses, final
+
+
 def assert_parity(hf_config, cfg, data, micro_batches=2, optim=OPTIM, engine_kwargs=None, stats_out=None):
     init, losses, final = run_engine(hf_config, cfg, data, engine_kwargs, stats_out)
     return assert_matches_reference(hf_config, init, losses, final, data, micro_batches, optim)
 
 
 def assert_matches_reference(hf_config, init, losses, final, data, micro_batches=2, optim=OPTIM,
-                             weight_rtol=RTOL, stream_dtype=None, grad_norms=None):
+                             weight_rtol=RTOL, stream_dtype=None, grad_norms=None, loss_rtol=RTOL):
     """An engine run (its initial weights, per-step losses and final weights) against plain PyTorch
-    (tests/reference.py) from the same initial weights on the same data: losses at ``RTOL`` and every
-    weight within ``weight_rtol`` relative in norm. Returns the worst weight difference; ``grad_norms``, if
-    given, receives the reference's per-step gradient norms."""
+    (tests/reference.py) from the same initial weights on the same data: losses within ``loss_rtol`` and
+    every weight within ``weight_rtol`` relative in norm (``reference.weight_rel_diffs``: k_proj biases
+    skipped), every weight moved. Returns the worst weight difference; ``grad_norms``, if given, receives
+    the reference's per-step gradient norms."""
     ref = reference_model(hf_config, init)
     ref_losses, ref_state = reference_train(ref, data, optim, micro_batches, stream_dtype=stream_dtype,
                                             grad_norms=grad_norms)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=loss_rtol, atol=0)
     # The losses must actually move, or parity would be vacuous.
     assert abs(losses[-1] - losses[0]) > 1e-3
-    worst = 0.0
-    for name, value in final.items():
-        if name.endswith("k_proj.bias"):
-            # Softmax is invariant to a per-query constant, so d loss / d k_bias is exactly 0 in exact
-            # arithmetic; both implementations see ~1e-10 rounding noise that AdamW (m / sqrt(v)) turns into
-            # lr-sized random steps. Nothing to compare but noise.
-            continue
-        # Relative in norm per tensor: AdamW divides by sqrt(v), so elements whose gradient is ~0 move by
-        # lr-sized steps set by rounding noise; an elementwise rtol on near-zero weights would test noise.
-        rel = float((value - ref_state[name]).norm() / ref_state[name].norm())
-        worst = max(worst, rel)
+    # every tensor the engine holds (a tied model's head is its embedding: the reference names it twice)
+    diffs = weight_rel_diffs(final, {name: ref_state[name] for name in final})
+    for name, rel in diffs.items():
         assert rel <= weight_rtol, f"{name}: relative difference {rel:.2e} > {weight_rtol}"
-        assert float((value - init[name]).norm()) > 0, f"{name} was not updated"
-    return worst
+        assert float((final[name] - init[name]).norm()) > 0, f"{name} was not updated"
+    return max(diffs.values())
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])

@@ -11,8 +11,8 @@ import torch
 from megatrain import EngineConfig, MegaTrain, OptimConfig, PRESETS
 from megatrain import placement as placement_mod
 
-from reference import reference_model, reference_train
-from test_engine_parity import OPTIM, RTOL, assert_parity, batches, engine_cfg
+from test_engine_parity import (OPTIM, RTOL, assert_matches_reference, assert_parity, batches, engine_cfg,
+                                assert_state_restored, inject_nan_gradient, train_past_a_nan_step)
 
 NO_CLIP = dataclasses.replace(OPTIM, max_grad_norm=1e9)  # clipping never fires: speculation is kept
 
@@ -73,27 +73,6 @@ def test_auto_does_not_speculate_after_clipping():
     engine.close()
 
 
-def _snapshot(engine):
-    st = engine.store
-    return {(k, n): t[n].detach().cpu().clone() for k, t in (("p", st.master), ("m", st.m), ("v", st.v),
-                                                            ("step", st.steps)) for n in t}
-
-
-def _inject_nan(engine, layer_name: str, at_call: int):
-    orig = engine._grad_ready
-    calls = {"n": 0}
-
-    def grad_ready(name, flat, st):
-        if name == layer_name:
-            calls["n"] += 1
-            if calls["n"] == at_call:
-                flat = flat.clone()
-                flat[3] = float("nan")
-        return orig(name, flat, st)
-
-    engine._grad_ready = grad_ready
-
-
 @pytest.mark.parametrize("speculate,gpu_resident,grads", [
     ("never", "0", "gpu"), ("never", "2", "gpu"), ("always", "0", "gpu"),
     ("never", "0", "host"), ("never", "2", "host"), ("always", "0", "host")])  # grad_placement
@@ -110,34 +89,16 @@ def test_nan_gradient_skips_step(speculate, gpu_resident, grads):
     engine = MegaTrain.from_config(hf, cfg, verbose=False)
     assert engine.placement.grads == grads
     init = {k: v.clone() for k, v in engine.state_dict().items()}
-    _inject_nan(engine, "layer.1", at_call=3)  # third step (one gradient per step with the last micro-batch)
-    losses = []
-    for s, b in enumerate(data):
-        if s == 2:
-            engine.synchronize()  # the previous step's update runs in the background
-            before = _snapshot(engine)
-            with pytest.warns(RuntimeWarning, match="step skipped"):
-                r = engine.step(b)
-            engine.synchronize()
-            after = _snapshot(engine)
-            assert r.grad_norm != r.grad_norm  # NaN
-            for key, t in before.items():
-                if speculate == "never":
-                    assert torch.equal(t, after[key]), key
-                else:
-                    rel = float((t.double() - after[key].double()).norm() / max(float(t.double().norm()), 1e-30))
-                    assert rel <= 1e-6, (key, rel)
-            assert engine.skipped_steps == 1 and engine.step_count == 2
-        else:
-            losses.append(engine.step(b).loss)
-    final = {k: v.clone() for k, v in engine.state_dict().items()}
-    engine.close()
-    kept = [b for s, b in enumerate(data) if s != 2]
-    ref_losses, ref_state = reference_train(reference_model(hf, init), kept, NO_CLIP, 2)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0)
-    for name, value in final.items():
-        if not name.endswith("k_proj.bias"):
-            assert float((value - ref_state[name]).norm() / ref_state[name].norm()) <= RTOL, name
+    inject_nan_gradient(engine, "layer.1", at_call=3)  # third step (one gradient per step with the last micro-batch)
+
+    def check(before, after, r):
+        assert r.grad_norm != r.grad_norm  # NaN
+        assert_state_restored(before, after, exact=lambda key: speculate == "never")
+        assert engine.skipped_steps == 1 and engine.step_count == 2
+
+    losses, final = train_past_a_nan_step(engine, data, 2, check)
+    kept = [b for s, b in enumerate(data) if s != 2]  # the reference skips the same batch
+    assert_matches_reference(hf, init, losses, final, kept, 2, NO_CLIP)
 
 
 def test_plan_bytes_match_allocation():

@@ -14,8 +14,8 @@ if str(ROOT) not in sys.path:
 from analysis import fig_host_side, figures  # noqa: E402
 from experiments import schema  # noqa: E402
 
-# a frozen copy of the H200 rows of 2026-12-01 (results/host_side/results.csv may be re-measured); the real
-# link is read from the committed result.json of its link rows (54-56 GB/s on any H200 run)
+# a frozen copy of the H200 rows of 2026-12-01 (results/host_side/results.csv may be re-measured). The
+# figure reads nothing but these rows: no file beside them, no fact of a machine written in its code.
 CSV = ROOT / "tests" / "data" / "host_side_h200_2026-12-01.csv"
 
 
@@ -68,8 +68,9 @@ def test_panels_x_values_ratios_and_skip_marks(rows, tmp_path, captured):
     cores, link, ram = _draw(rows, tmp_path, captured)
     assert {4.0, 8.0, 16.0} <= set(cores.get_xticks()) and _xs(cores) >= {4.0, 16.0}
     lx = sorted(link.get_xticks())
-    assert lx[:2] == [16.0, 32.0] and 54 < lx[-1] < 56  # the real link: measured in the link rows' result.json
-    assert "(real host" in link.get_xticklabels()[-1].get_text()
+    # no row measures the real link: the real host stands one log2 step right of the profiles, and says so
+    assert lx == [16.0, 32.0, 64.0]
+    assert link.get_xticklabels()[-1].get_text() == "real host\n(host link\nnot measured)"
     assert set(ram.get_xticks()) == {64.0, 96.0, 125.8}
     assert cores.get_ylabel() == "training throughput (TFLOPS)"
     # the real host is the right-most point of every panel
@@ -85,11 +86,29 @@ def test_panels_x_values_ratios_and_skip_marks(rows, tmp_path, captured):
     assert 8.0 in _xs(cores, marker="x") and "budget cut" in _texts(cores) and "timeout" not in _texts(cores)
 
 
-def test_unmeasured_link_falls_back_to_55(rows, tmp_path, captured):
-    rows = rows.assign(sweep="host_side_elsewhere")  # no result.json for these points anywhere
-    _, link, _ = _draw(rows, tmp_path, captured)
-    assert max(link.get_xticks()) == 55.0
-    assert link.get_xticklabels()[-1].get_text() == "~55\n(measured pinned H2D)"
+def test_real_host_facts_come_from_rows_or_say_not_measured(rows, tmp_path, captured):
+    """The real host's cores and RAM are the rows' own fields (16 cores, 125.8 GiB on the H200 rows); where
+    no row records them the figure says "not measured" instead of writing in a machine's numbers, and the
+    real host still stands right of the profiles. The module holds no machine's facts."""
+    import inspect
+
+    src = inspect.getsource(fig_host_side)
+    assert "55.0" not in src and "H200" not in src and "result.json" not in src and "import json" not in src
+    _draw(rows, tmp_path, captured)
+    (fig,) = captured
+    foot = " ".join(t.get_text() for t in fig.texts)
+    assert "Real host (H200): 16 CPU cores, host link not measured in these rows, 126 GiB RAM." in foot, foot
+    captured.clear()
+    blank = rows.assign(cpu_cores=float("nan"), host_ram_gib=rows["host_ram_gib"].where(rows["emulated"]))
+    cores, link, ram = _draw(blank, tmp_path, captured)
+    assert cores.get_xticklabels()[-1].get_text() == "real host\n(CPU cores\nnot measured)"
+    assert sorted(cores.get_xticks()) == [4.0, 8.0, 16.0]  # 2 x 8: the profiles' largest, one step right
+    assert ram.get_xticklabels()[-1].get_text() == "real host\n(host RAM\nnot measured)"
+    assert sorted(ram.get_xticks()) == [64.0, 96.0, 192.0]
+    (fig,) = captured
+    foot = " ".join(t.get_text() for t in fig.texts)
+    assert ("CPU cores not measured in these rows, host link not measured in these rows, "
+            "host RAM not measured in these rows") in foot, foot
 
 
 def test_only_some_profiles(rows, tmp_path, captured):
@@ -109,15 +128,21 @@ def test_no_ok_rows_does_not_crash(rows, tmp_path, captured):
 
 
 def test_failures_without_an_x_value_or_a_known_profile(rows, tmp_path, captured):
-    weird = rows.head(3).assign(hardware=["realbox", "mystery", "cores-4"], emulated=[False, True, True],
-                                status=["error", "error", "ok"], tflops=float("nan"), tokens_per_s=float("nan"),
-                                settings="", cpu_cores=float("nan"), host_ram_gib=float("nan"))
+    weird = rows.head(4).assign(hardware=["realbox", "mystery", "cores-4", "host-big"],
+                                emulated=[False, True, True, True], status=["error", "error", "ok", "error"],
+                                tflops=float("nan"), tokens_per_s=float("nan"), settings="", cpu_cores=float("nan"),
+                                host_ram_gib=float("nan"))
     cores, link, ram = _draw(weird, tmp_path, captured)
-    # the real host's cores and RAM are unknown here: listed in the panel instead of dropped
-    assert any(t.startswith("× without an x value") and "realbox" in t for t in _texts(cores))
-    assert any(t.startswith("× without an x value") for t in _texts(ram))
+    # the real host's cores, link and RAM are unknown here: its × stands right of each panel's profiles
+    # (cores: 2 x 4; link and RAM: no profile with a value, 1), labelled "not measured"
+    assert 8.0 in _xs(cores, marker="x") and 1.0 in _xs(link, marker="x") and 1.0 in _xs(ram, marker="x")
+    assert all(ax.get_xticklabels()[-1].get_text().endswith("not measured)") for ax in (cores, link, ram))
+    # a profile whose value no field nor name gives is listed in its panel instead of dropped
+    assert any(t.startswith("× without an x value") and "host-big" in t for t in _texts(ram))
     assert "no value" in _texts(cores)  # an ok row without a throughput: an × at 4 cores
-    assert 4.0 in _xs(cores, marker="x") and 55.0 in _xs(link, marker="x")
+    assert 4.0 in _xs(cores, marker="x")
+    (fig,) = captured
+    assert "not drawn (unknown profile): mystery" in " ".join(t.get_text() for t in fig.texts)
 
 
 def test_cpu_smoke_falls_back_to_tokens_per_s(rows, tmp_path, captured):

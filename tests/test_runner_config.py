@@ -42,6 +42,22 @@ def expand(compose_fn, *overrides, device="cuda", gpu_name="NVIDIA H200"):
     return cfg, sweeps.expand(cfg, load, device=device, gpu_name=gpu_name)
 
 
+def test_paper_width_and_depth_shapes():
+    """docs/reproduction.md "The paper's width shapes": our depth axis reproduces the paper's 180 layers =
+    43B; our width 5x (hidden and FFN x 5: 166.5B parameters, 2.0 TB of fp32 master + Adam state) could not
+    be held by either of the paper's hosts (a 480 GB GH200; 1.5 TB on the H200), so it is not the paper's."""
+    from megatrain.memory import host_estimate
+    from megatrain.spec import PRESETS
+
+    base = PRESETS["qwen2.5-7b"]
+    assert abs(base.scaled(depth=180).num_params() / 43e9 - 1) < 0.005  # the paper: "180 layers (43B)"
+    billions = [round(base.scaled(depth=28, width=w).num_params() / 1e9, 1) for w in (1, 1.5, 2, 3, 4, 5)]
+    assert billions == [7.6, 15.4, 28.1, 61.4, 107.5, 166.5]
+    host = lambda w: host_estimate(base.scaled(depth=28, width=w))["total_bytes"]  # noqa: E731
+    assert host(5) > 1.5e12 and round(host(5) / 1e12, 2) == 2.0  # beyond the paper's largest host
+    assert host(2.25) < 480e9 < host(2.5)  # the widest of ours a 480 GB GH200 could hold
+
+
 def test_every_sweep_file_exists_and_expands(compose_fn):
     assert sorted(p.stem for p in (CONF / "sweep").glob("*.yaml")) == sorted(SWEEPS)
     for name in SWEEPS:
@@ -75,7 +91,7 @@ def test_paper_axes(compose_fn):
     assert [p.seq_len for p in mt] == [1024 * 2**i for i in range(10)]
     assert [p.batch_size for p in mt] == [16, 8, 4, 2, 1, 1, 1, 1, 1, 1]
     assert all(p.spec["max_position_embeddings"] == 524288 for p in pts)  # every system, the same override
-    assert {p.options["max_position_embeddings"] for p in mt} == {524288}
+    assert {p.options.max_position_embeddings for p in mt} == {524288}
     # from 128K on: one measured step, no warm-up; shorter points keep the run's 3 + 1
     assert [(p.steps, p.warmup_steps) for p in mt] == [(3, 1)] * 7 + [(1, 0)] * 3
     _, pts = expand(compose_fn, "sweep=context", "sweep.long_seq_from=0")
@@ -109,11 +125,11 @@ def test_host_side_sweep_and_cpu_side_profiles(compose_fn):
     _, pts = expand(compose_fn, "sweep=host_side")
     assert [(p.model, p.variant) for p in pts[::7]] == [("qwen2.5-14b", "tiered"), ("qwen2.5-7b", "pure_streaming")]
     assert len(pts) == 14 and {p.system for p in pts} == {"megatrain"} and {p.batch_size for p in pts} == {16}
-    assert {p.options["gpu_resident"] for p in pts if p.variant == "tiered"} == {"auto"}
-    assert {p.options["gpu_resident"] for p in pts if p.variant == "pure_streaming"} == {"0"}
+    assert {p.options.gpu_resident for p in pts if p.variant == "tiered"} == {"auto"}
+    assert {p.options.gpu_resident for p in pts if p.variant == "pure_streaming"} == {"0"}
     hw = [(p.hardware["label"], p.hardware["emulated"], p.hardware["cpu_cores"], p.hardware["host_ram_gib"],
            p.hardware["gpu_mem_gib"], p.hardware["peak_tflops"], p.torch_threads, p.hardware["host_link_gbps"],
-           p.options["host_link_gbps"]) for p in pts[:7]]
+           p.options.host_link_gbps) for p in pts[:7]]
     assert hw == [("H200", False, None, None, None, 797.5, None, None, None),
                   ("cores-4", True, 4, None, None, 797.5, 4, None, None),  # the real GPU's peak: it computes there
                   ("cores-8", True, 8, None, None, 797.5, 8, None, None),
@@ -134,15 +150,15 @@ def test_link_profiles_expand_only_megatrain_with_the_engine_option(compose_fn):
     _, pts = expand(compose_fn, "sweep=size", "sweep.hardware=[real,link-16GBps]", "model=qwen2.5-7b",
                     "sweep.models=[qwen2.5-7b]")
     on_link = [p for p in pts if p.hardware["label"] == "link-16GBps"]
-    assert [p.system for p in on_link] == ["megatrain"] and on_link[0].options["host_link_gbps"] == 16
+    assert [p.system for p in on_link] == ["megatrain"] and on_link[0].options.host_link_gbps == 16
     assert on_link[0].id.endswith("__default__link-16GBps") and on_link[0].hardware["emulated"] is True
     real = [p for p in pts if p.hardware["label"] == "H200"]
     assert [p.system for p in real] == ["megatrain", "zero3", "fsdp", "gemini", "native"]
-    assert real[0].options["host_link_gbps"] is None
+    assert real[0].options.host_link_gbps is None
     # a command-line link on a profile: a float, plumbed the same way
     _, pts = expand(compose_fn, "sweep=smoke", "hardware.name=slow", "hardware.emulated=true",
                     "hardware.host_link_gbps=8.5", device="cpu", gpu_name="")
-    assert {p.system for p in pts} == {"megatrain"} and {p.options["host_link_gbps"] for p in pts} == {8.5}
+    assert {p.system for p in pts} == {"megatrain"} and {p.options.host_link_gbps for p in pts} == {8.5}
     # the engine option is the hardware's: as a system option it would label a throttled row as the real GPU
     with pytest.raises(sweeps.SweepError, match="'host_link_gbps' belongs to the hardware profile"):
         expand(compose_fn, "sweep=smoke", "system=megatrain", "system.options.host_link_gbps=8", device="cpu",
@@ -214,7 +230,9 @@ def test_host_ram_profiles_skip_with_the_engine_estimate(compose_fn, monkeypatch
 
 def test_ablation_variants_and_overrides(compose_fn):
     _, pts = expand(compose_fn, "sweep=ablation")
-    opts = {p.variant: p.options for p in pts}
+    # each variant's engine options (the optimizer is the run's: compared below)
+    opts = {p.variant: {k: v for k, v in dataclasses.asdict(p.options).items() if k != "optim"} for p in pts}
+    assert {p.options.optim == p.optim for p in pts} == {True}
     assert list(opts) == ["full", "no_double_buffer", "no_slab_pool", "ckpt_interval_1", "no_opt_overlap",
                           "pure_streaming", "full_no_clip", "no_speculation", "grads_on_host"]
     # speculation differs from full only where clipping does not fire: both measured without it
@@ -233,7 +251,7 @@ def test_ablation_variants_and_overrides(compose_fn):
     _, pts = expand(compose_fn, "sweep=ablation", "model=qwen2.5-7b", "system=megatrain",
                     "system.options.stream_dtype=bf16", "batch_size=4")
     assert {p.model for p in pts} == {"qwen2.5-7b"} and {p.batch_size for p in pts} == {4}
-    assert {p.options["stream_dtype"] for p in pts} == {"bf16"}
+    assert {p.options.stream_dtype for p in pts} == {"bf16"}
     with pytest.raises(sweeps.SweepError, match="valid options"):
         expand(compose_fn, "sweep=ablation", "+sweep.variants.bad={nmu_slots: 1}")
 
@@ -275,7 +293,7 @@ def test_skip_rules(compose_fn):
     reason = sweeps.skip_reason(mt72, estimate=est72, **kw)
     assert reason.reason == "host_memory" and "126.0 GiB" in reason.text
     # with the gradients kept on the GPU (the engine before grad_placement) it is a GPU-side refusal
-    mt72_gpu = dataclasses.replace(mt72, options=dict(mt72.options, grad_placement="gpu"))
+    mt72_gpu = dataclasses.replace(mt72, options=dataclasses.replace(mt72.options, grad_placement="gpu"))
     est72_gpu = sweeps.host_estimate(mt72_gpu, "cuda", gpu)
     assert est72_gpu["gpu_refusal"]
     refusal = sweeps.skip_reason(mt72_gpu, estimate=est72_gpu, **kw)
@@ -349,22 +367,82 @@ def test_engine_dataclasses_are_the_schemas_no_mirrors():
     assert len(PRESETS) > 5
 
 
-def test_engine_option_walk_from_command_line_to_engine_config(compose_fn):
-    """checkpoint_interval / gpu_resident from the command line reach EngineConfig through the Job."""
-    from baselines.megatrain_system import engine_config
+def test_engine_option_walk_from_command_line_to_engine_config(compose_fn, monkeypatch):
+    """The walk of a knob (docs/runner.md "The walk of a knob"): ``system.options.gpu_resident`` is turned
+    into the point's one EngineConfig at expansion (experiments/sweeps.py), crosses job.json typed, and the
+    point process, the registry and the system adapter hand that very object to the engine, which gives
+    ``gpu_resident`` to the placement plan. A re-parse on the way (a new hop) breaks the identity below."""
+    from megatrain import placement
+    from megatrain.config import EngineConfig
+
+    from experiments import point
     from experiments.sweeps import Job
 
     _, jobs = expand(compose_fn, "sweep=smoke", "system=megatrain", "system.options.checkpoint_interval=2",
-                     "system.options.gpu_resident=0", "optim.lr=3e-4", device="cpu", gpu_name="")
+                     "system.options.gpu_resident=1", "optim.lr=3e-4", "seed=5", device="cpu", gpu_name="")
     (job,) = jobs
+    cfg = job.options
+    assert type(cfg) is EngineConfig and cfg.gpu_resident == "1" and cfg.checkpoint_interval == 2
+    # the run-level fields are set once, here, as every system gets them
+    assert (cfg.device, cfg.compute_dtype, cfg.micro_batches, cfg.optim, cfg.seed) == (
+        "cpu", "fp32", job.micro_batches, job.optim, 5) and cfg.optim.lr == 3e-4
     back = Job.from_dict(json.loads(json.dumps(job.to_dict())))  # what the point process reads
-    assert back == job and back.optim.betas == (0.9, 0.95) and back.optim.lr == 3e-4
-    cfg = engine_config(back.options, optim=back.optim, micro_batches=back.micro_batches, device="cpu")
-    assert cfg.checkpoint_interval == 2 and cfg.gpu_resident == "0" and cfg.optim.lr == 3e-4
+    assert back == job and type(back.options) is EngineConfig and back.optim.betas == (0.9, 0.95)
+
+    seen = {}
+
+    class Reached(Exception):
+        pass
+
+    real_init = __import__("megatrain.engine", fromlist=["MegaTrain"]).MegaTrain.__init__
+
+    def spy_init(self, hf_config, cfg=None, **kw):
+        seen["cfg"] = cfg
+        return real_init(self, hf_config, cfg, **kw)
+
+    def spy_plan(numels, shape, *, setting, **kw):
+        seen["setting"] = setting
+        raise Reached
+
+    import megatrain.engine as engine
+
+    monkeypatch.setattr(engine.MegaTrain, "__init__", spy_init)
+    monkeypatch.setattr(placement, "plan", spy_plan)
+    with pytest.raises(Reached):
+        point.build_system(dataclasses.replace(back, init_dir=""))  # shared_init=false: from the spec
+    assert seen["cfg"] is back.options and seen["setting"] == "1"
+    # no runner or adapter file builds an EngineConfig field by field but the adapter's dict path (for
+    # callers outside the runner): the runner's is made once, by sweeps.merge_options from the schema
+    import ast
+
+    builders = set()
+    for path in [*(ROOT / "experiments").glob("*.py"), *(ROOT / "baselines").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "EngineConfig":
+                builders.add(path.relative_to(ROOT).as_posix())
+    assert builders == {"baselines/megatrain_system.py"}
     with pytest.raises(sweeps.SweepError, match="gpu_resident"):
         expand(compose_fn, "sweep=smoke", "system=megatrain", "system.options.gpu_resident=many", device="cpu")
     with pytest.raises(sweeps.SweepError, match="run-level"):
         expand(compose_fn, "sweep=smoke", "system=megatrain", "system.options.micro_batches=2", device="cpu")
+    with pytest.raises(sweeps.SweepError, match="run-level"):
+        expand(compose_fn, "sweep=smoke", "system=megatrain", "system.options.seed=3", device="cpu")
+
+
+def test_engine_config_of_the_job_must_agree_with_the_run():
+    """An EngineConfig handed to the adapter is used as it is; run-level arguments that disagree are refused."""
+    from baselines.megatrain_system import engine_config
+    from megatrain.config import EngineConfig
+    from megatrain.system import OptimConfig
+
+    cfg = EngineConfig(device="cpu", compute_dtype="fp32", gpu_resident="0")
+    assert engine_config(cfg, optim=OptimConfig(), micro_batches=1, device="cpu", compute_dtype="fp32") is cfg
+    with pytest.raises(ValueError, match="micro_batches=1 vs 2"):
+        engine_config(cfg, optim=OptimConfig(), micro_batches=2, device="cpu", compute_dtype="fp32")
+    made = engine_config({"gpu_resident": "0"}, optim=OptimConfig(lr=1.0), micro_batches=2, device="cpu")
+    assert made.gpu_resident == "0" and made.micro_batches == 2 and made.optim.lr == 1.0
+    with pytest.raises(ValueError, match="unknown megatrain options"):
+        engine_config({"micro_batches": 2}, optim=OptimConfig(), micro_batches=1, device="cpu")
 
 
 def test_invalid_points_are_refused_before_launch(compose_fn):
@@ -414,7 +492,7 @@ def test_engine_sweep_variants_apply_per_system(compose_fn):
     assert by[("native", "qwen2.5-3b", "no_clip")].optim.max_grad_norm == 0.0
     assert by[("native", "qwen2.5-3b", "text")].data == "text" and by[("native", "qwen2.5-3b", "default")].data == "synthetic"
     mt = by[("megatrain", "qwen2.5-3b", "streaming_no_clip")]
-    assert mt.options["gpu_resident"] == "0" and mt.optim.max_grad_norm == 0.0
+    assert mt.options.gpu_resident == "0" and mt.optim.max_grad_norm == 0.0
     from megatrain.system import OptimConfig
 
     with pytest.raises(sweeps.SweepError, match="unknown optimizer field"):

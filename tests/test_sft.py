@@ -2,6 +2,7 @@
 the arithmetic task, and the accuracy_sft sweep end to end through the runner (native vs the engine)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -232,8 +233,10 @@ def test_accuracy_sft_sweep_expands_to_its_eight_points(tmp_path):
         ("native", "default", "auto"), ("megatrain", "default", "auto"), ("zero3", "default", "auto"),
         ("native", "rerun", "auto"), ("native", "rerun_ulp", "auto"), ("native", "fp32", "fp32"),
         ("megatrain", "fp32", "fp32"), ("megatrain", "pure_streaming", "auto")]
-    assert jobs[7].options["gpu_resident"] == "0" and jobs[1].options["gpu_resident"] == "auto"
-    assert jobs[6].options == jobs[1].options  # fp32 changes the compute dtype only
+    assert jobs[7].options.gpu_resident == "0" and jobs[1].options.gpu_resident == "auto"
+    assert jobs[6].options.compute_dtype != jobs[1].options.compute_dtype
+    # fp32 changes the compute dtype only
+    assert dataclasses.replace(jobs[6].options, compute_dtype=jobs[1].options.compute_dtype) == jobs[1].options
     assert jobs[3].options == jobs[0].options and jobs[3].id != jobs[0].id  # the same run again, its own point
     assert tuple(jobs[4].optim.betas) == (0.9, 0.9500001) and jobs[0].optim.betas == (0.9, 0.95)  # 2 fp32 ulps
     assert {(j.steps, j.optim.total_steps, j.optim.lr, j.batch_size, j.seq_len, j.seed) for j in jobs} == {
@@ -242,7 +245,6 @@ def test_accuracy_sft_sweep_expands_to_its_eight_points(tmp_path):
     assert jobs[0].num_params == 134_515_008  # the smollm2-135m preset = the GGUF's model
     with pytest.raises(sweeps.SweepError, match="dtype=fp33"):
         expand("+sweep.variants.bad={dtype: fp33}")
-    import dataclasses
 
     missing = dataclasses.replace(jobs[0], sft=dict(jobs[0].sft, gguf=str(tmp_path / "none.gguf")))
     assert "ship_gguf.sh" in sweeps.invalid_reason(missing)

@@ -12,8 +12,8 @@ import torch
 from megatrain import EngineConfig, MegaTrain, PRESETS
 from megatrain.update_split import UpdateRates, forced_split, plan_split
 
-from reference import reference_model, reference_train
-from test_engine_parity import OPTIM, RTOL, assert_parity, batches, engine_cfg
+from test_engine_parity import (OPTIM, RTOL, assert_matches_reference, assert_parity, batches, engine_cfg,
+                                assert_state_restored, inject_nan_gradient, train_past_a_nan_step)
 
 NO_CLIP = dataclasses.replace(OPTIM, max_grad_norm=1e9)
 # Host-tier groups on both paths: the embedding (first needed), a middle layer and the last layer (+ the
@@ -165,12 +165,6 @@ def test_cpu_path_reports_counts_and_bf16_shadow_matches():
         assert torch.equal(shadow, master_rounded), name
 
 
-def _snapshot(engine):
-    st = engine.store
-    return {(k, n): t[n].detach().cpu().clone() for k, t in (("p", st.master), ("m", st.m), ("v", st.v),
-                                                            ("step", st.steps)) for n in t}
-
-
 @pytest.mark.parametrize("nan_in", ["layer.1", "layer.2"])  # a GPU-path group, a CPU-path group
 @pytest.mark.parametrize("speculate,prefetch", [("never", False), ("always", False), ("never", True)])
 def test_nan_gradient_skips_step(nan_in, speculate, prefetch):
@@ -180,43 +174,16 @@ def test_nan_gradient_skips_step(nan_in, speculate, prefetch):
     engine = MegaTrain.from_config(hf, hybrid_cfg(speculate=speculate, optim=NO_CLIP, gpu_path_prefetch=prefetch),
                                    verbose=False)
     init = {k: v.clone() for k, v in engine.state_dict().items()}
-    orig, calls = engine._grad_ready, {"n": 0}
+    inject_nan_gradient(engine, nan_in, at_call=3)  # the third step's
 
-    def grad_ready(name, flat, st):
-        if name == nan_in:
-            calls["n"] += 1
-            if calls["n"] == 3:
-                flat = flat.clone()
-                flat[3] = float("nan")
-        return orig(name, flat, st)
+    def check(before, after, _):
+        # bit for bit without speculation, and on the GPU path (it never updates early)
+        assert_state_restored(before, after, exact=lambda key: speculate == "never" or key[1] in FORCED.split(","))
+        assert engine.skipped_steps == 1
 
-    engine._grad_ready = grad_ready
-    losses = []
-    for s, b in enumerate(data):
-        if s == 2:
-            engine.synchronize()
-            before = _snapshot(engine)
-            with pytest.warns(RuntimeWarning, match="step skipped"):
-                engine.step(b)
-            engine.synchronize()
-            after = _snapshot(engine)
-            for key, t in before.items():
-                if speculate == "never" or key[1] in FORCED.split(","):  # the GPU path never updates early
-                    assert torch.equal(t, after[key]), key
-                else:
-                    rel = float((t.double() - after[key].double()).norm() / max(float(t.double().norm()), 1e-30))
-                    assert rel <= 1e-6, (key, rel)
-            assert engine.skipped_steps == 1
-        else:
-            losses.append(engine.step(b).loss)
-    final = {k: v.clone() for k, v in engine.state_dict().items()}
-    engine.close()
-    kept = [b for s, b in enumerate(data) if s != 2]
-    ref_losses, ref_state = reference_train(reference_model(hf, init), kept, NO_CLIP, 2)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0)
-    for name, value in final.items():
-        if not name.endswith("k_proj.bias"):
-            assert float((value - ref_state[name]).norm() / ref_state[name].norm()) <= RTOL, name
+    losses, final = train_past_a_nan_step(engine, data, 2, check)
+    kept = [b for s, b in enumerate(data) if s != 2]  # the reference skips the same batch
+    assert_matches_reference(hf, init, losses, final, kept, 2, NO_CLIP)
 
 
 @pytest.mark.parametrize("resume_path,prefetch", [("hybrid", False), ("cpu", False), ("hybrid", True)])

@@ -10,7 +10,7 @@ import torch
 from megatrain import EngineConfig, MegaTrain, OptimConfig, PRESETS
 from megatrain.data import synthetic_batch
 
-from reference import reference_model, reference_train
+from test_engine_parity import assert_matches_reference, inject_nan_gradient
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -54,13 +54,8 @@ def test_cuda_fp32_hybrid_matches_cpu_reference(preset, overrides):
     final = {k: v.clone() for k, v in engine.state_dict().items()}
     engine.close()
     assert gpu_groups > 0 and busy > 0
-    ref_losses, ref_state = reference_train(reference_model(hf, init), data, optim, mb)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
-    for name, value in final.items():
-        if name.endswith("k_proj.bias"):  # zero true gradient: AdamW amplifies rounding noise (test_engine_parity)
-            continue
-        rel = float((value - ref_state[name]).norm() / ref_state[name].norm())
-        assert rel < 1e-4, (name, rel)
+    # CUDA fp32 against the CPU reference: 1e-4 (kernels differ in summation order), as this test always had
+    assert_matches_reference(hf, init, losses, final, data, mb, optim, weight_rtol=1e-4, loss_rtol=1e-4)
 
 
 def test_cuda_bf16_hybrid_equals_cpu_path_and_resumes(tmp_path):
@@ -94,17 +89,7 @@ def test_cuda_nan_skip_leaves_gpu_path_groups_untouched():
     cfg = EngineConfig(device="cuda", compute_dtype="fp32", optim=NO_CLIP, gpu_resident="0", update_path="hybrid",
                        gpu_path_groups=FORCED, micro_batches=2)
     engine = MegaTrain.from_config(hf, cfg, verbose=False)
-    orig, calls = engine._grad_ready, {"n": 0}
-
-    def grad_ready(name, flat, st):  # one final gradient per group and step: the third step's is NaN
-        if name == "layer.1":
-            calls["n"] += 1
-            if calls["n"] == 3:
-                flat = flat.clone()
-                flat[3] = float("nan")
-        return orig(name, flat, st)
-
-    engine._grad_ready = grad_ready
+    inject_nan_gradient(engine, "layer.1", at_call=3)  # one final gradient per group and step: the third step's
     for b in data[:2]:
         engine.step(b)
     engine.synchronize()
