@@ -160,9 +160,9 @@ class MegaTrain:
                                          host_names=self.placement.host_names, grads_on_host=self.placement.grads == "host",
                                          staging_bytes=self._staging_bytes(), dist=dist,
                                          update_path=self.placement.update_path)
-        # host_update_cores (default none): after build_host_tier, whose rate measurement runs the kernel from
+        # host_update_cores (default auto): after build_host_tier, whose rate measurement runs the kernel from
         # this thread, so that its OpenMP team is not created inside the main thread's narrowed mask.
-        self.host_opt.bind_cores(cfg.host_update_cores, cuda=on_gpu)
+        self.host_opt.bind_cores(cfg.host_update_cores, cuda=on_gpu and not dist)
         if verbose and self.placement.update_path != "cpu":
             print(f"[megatrain] {self.host_tier.summary()}", flush=True)
         self.optimizer = Optimizers([self.device_opt, self.host_tier], cfg.optim, cfg.speculate)
@@ -627,6 +627,10 @@ class MegaTrain:
                                    "skipped_steps": self.skipped_steps,
                                    "update_path": self.placement.update_path,
                                    "gpu_path_staging_bytes": self.host_tier.gpu.staging_bytes if self.host_tier.gpu else 0,
+                                   # the rates the runtime split used (measured at build on a GPU), for
+                                   # comparison with the plan's cost-model rates
+                                   "update_rates": self.host_tier.rates.to_dict() if self.host_tier.rates else None,
+                                   "update_summary": self.host_tier.summary(),
                                    "pool_slots": self.num_pool_slots, "h2d_loads": self.pool.loads})
         if self.device.type == "cuda":
             stats.gpu_peak_allocated = torch.cuda.max_memory_allocated(self.device)

@@ -16,7 +16,7 @@ Exact clipping needs the global norm, known only after the backward. Two schedul
 Either way the work runs in the worker thread and the next step's load of a group waits only for that
 group (``wait_group``), so the update overlaps the next forward (and, speculatively, this backward).
 
-Core binding (``bind_cores``, EngineConfig.host_update_cores, off by default): the worker thread restricts
+Core binding (``bind_cores``, EngineConfig.host_update_cores, "auto" by default: on a one-process GPU run): the worker thread restricts
 itself to a set of cores before it runs any kernel, so the OpenMP teams it starts (the C++ kernel's and
 torch's, one pool per thread that starts a parallel region) inherit that set, and the main thread, which
 keeps the GPU fed, gets the cores left out; then the kernel's team threads and the worker are bound to one

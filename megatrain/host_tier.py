@@ -161,7 +161,15 @@ class HybridHostAdamW:
 
     def summary(self) -> str:
         if self.gpu is None:
-            return "host update: CPU kernel only"
+            if self.rates is None or not self.splits:
+                return "host update: CPU kernel only"
+            # update_path="hybrid" asked, but the split at the rates measured here gives the GPU path no group
+            # (the plan, at the cost model's rates, may have predicted some): say so, with those rates.
+            sp = self.split_for(False)
+            return (f"host update: CPU kernel only (the GPU path takes no group at the rates measured here"
+                    + (f": predicted {sp.predicted_s:.3f} s vs CPU only {sp.predicted_cpu_only_s:.3f} s"
+                       if sp.predicted_cpu_only_s else "") + (f", {sp.reason}" if sp.reason else "")
+                    + f"); rates {self.rates.to_dict()}")
         parts = []
         for spec, label in ((False, "after the norm"), (True, "speculative")):
             sp = self.split_for(spec)

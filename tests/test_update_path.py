@@ -319,3 +319,20 @@ def test_gpu_path_update_is_issued_when_the_next_step_begins_or_state_is_needed(
     assert gpu._pending is not None
     engine.close()
     assert gpu._pending is None  # close applied it
+
+
+def test_summary_says_why_hybrid_runs_the_cpu_path_alone():
+    """update_path="hybrid" where the split at the measured rates takes no group (the H200's 14B tiered row at
+    a9736ef): the printed summary and the row say so, with the rates and both predictions."""
+    from types import SimpleNamespace
+
+    from megatrain.host_tier import HybridHostAdamW
+    from megatrain.update_split import Split, UpdateRates
+
+    cpu = SimpleNamespace(names=["layer.0", "layer.1"])
+    rates = UpdateRates(cpu_gps=4.0, measured=True)
+    split = Split([], ["layer.0", "layer.1"], predicted_s=1.5, predicted_cpu_only_s=1.5, reason="no gain")
+    line = HybridHostAdamW(cpu, None, {False: split}, rates).summary()
+    assert "CPU kernel only (the GPU path takes no group" in line and "'cpu_gps': 4.0" in line
+    assert "predicted 1.500 s vs CPU only 1.500 s" in line and "no gain" in line
+    assert HybridHostAdamW(cpu).summary() == "host update: CPU kernel only"  # update_path="cpu": nothing to explain
