@@ -229,6 +229,7 @@ def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host
     update_path = update_path or cfg.update_path
     if update_path not in ("cpu", "hybrid"):
         raise ValueError(f"build_host_tier needs a resolved update path ('cpu' or 'hybrid'), got {update_path!r}")
+    rates = dataclasses.replace(rates) if rates is not None else None  # the run calibrates its own copy
     if update_path == "cpu" or not host_names:
         return HybridHostAdamW(cpu_opt, rates=rates)
     if dist is not None:
