@@ -90,8 +90,8 @@ class MegaTrain:
         (index b = layers b*K ..) whose activations are kept, overriding ``cfg.recompute`` (advanced; tests
         use both for mixed placements). ``rates``: a ``megatrain.cost_model.Rates`` of this machine for the
         step-time model (default: the H200's; its ``update``, an ``UpdateRates``, replaces the host update's
-        rates otherwise measured here before planning, for the plan and the runtime split alike). ``dist``: a ``megatrain.distributed.DataParallel`` to train
-        data-parallel with one host store per node."""
+        rates otherwise measured here before planning, for the plan and the runtime split alike). ``dist``: a
+        ``megatrain.distributed.DataParallel`` to train data-parallel with one host store per node."""
         cfg = cfg or EngineConfig()
         arch.check_supported(hf_config)
         hf_config = copy.deepcopy(hf_config)
@@ -226,7 +226,8 @@ class MegaTrain:
                               grads=cfg.grad_placement, kept=keep, rates=rates,
                               update_path="cpu" if (self.dist and cfg.update_path == "auto") else cfg.update_path,
                               staging_reserve=int(cfg.update_staging_gib * placement.GIB) if on_gpu else 0,
-                              gpu_path_forced=cfg.gpu_path_groups != "auto")
+                              # keep an explicit "hybrid" as asked: a forced split; data parallel (refused later)
+                              gpu_path_forced=cfg.gpu_path_groups != "auto" or self.dist is not None)
 
     def _staging_reserve_gib(self) -> float:
         """GPU memory the plan kept free for the host tier's GPU update path (update_path "hybrid", or "auto"

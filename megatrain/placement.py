@@ -344,7 +344,8 @@ def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool
     The hybrid prediction's split is the engine's own (``host_tier.first_split`` at ``rates.update_rates()``,
     which the engine measures before planning): where it gives the GPU path no group, "hybrid" is planned as
     "cpu" (no staging kept free) and "auto" resolves to "cpu", unless ``gpu_path_forced`` (the engine's
-    ``gpu_path_groups`` names the groups: the split is not the model's).
+    ``gpu_path_groups`` names the groups, so the split is not the model's; or data parallel, which refuses
+    "hybrid" when it builds the host tier).
     Raises ``DoesNotFit`` (a MemoryError) with one line of numbers when the configuration fits neither;
     nothing has been allocated at that point."""
     if grads not in ("gpu", "host", "auto"):
