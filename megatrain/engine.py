@@ -226,8 +226,10 @@ class MegaTrain:
                               grads=cfg.grad_placement, kept=keep, rates=rates,
                               update_path="cpu" if (self.dist and cfg.update_path == "auto") else cfg.update_path,
                               staging_reserve=int(cfg.update_staging_gib * placement.GIB) if on_gpu else 0,
-                              # keep an explicit "hybrid" as asked: a forced split; data parallel (refused later)
-                              gpu_path_forced=cfg.gpu_path_groups != "auto" or self.dist is not None)
+                              # keep an explicit "hybrid" as asked: a forced split, prefetch (not in the model),
+                              # data parallel (refused by build_host_tier)
+                              gpu_path_forced=(cfg.gpu_path_groups != "auto" or cfg.gpu_path_prefetch
+                                               or self.dist is not None))
 
     def _staging_reserve_gib(self) -> float:
         """GPU memory the plan kept free for the host tier's GPU update path (update_path "hybrid", or "auto"

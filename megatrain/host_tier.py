@@ -205,16 +205,23 @@ def split_args(numels: list[int], *, staging_bytes: float, grads_on_host: bool, 
                 grad_up_bytes=4 if grads_on_host else 0, gpu_load_bytes=0 if kept_all else stream_bytes)
 
 
-def first_split(order: list[tuple[str, int]], rates: UpdateRates, **kw) -> Split:
-    """The split ``build_host_tier`` makes for a step that waits for the global norm (gpu_path_groups "auto"),
-    at ``rates``, for the host-tier groups ``order`` ((name, numel), forward order); ``kw``: ``split_args``'s.
-    The planner's step-time model predicts the hybrid host update with this same function (the plan and the
-    runtime split from one set of rates): no group when the staging holds no chunk."""
+def first_split(order: list[tuple[str, int]], rates: UpdateRates, **kw) -> tuple[Split, list[str]]:
+    """What ``build_host_tier`` decides first (gpu_path_groups "auto", no prefetch) at ``rates`` for the
+    host-tier groups ``order`` ((name, numel), forward order); ``kw``: ``split_args``'s. Returns the split for a
+    step that waits for the global norm, and the GPU path's candidates: those groups and the longest prefix a
+    speculative step may take (no head start); no candidate: no GPU path is built. The planner's step-time
+    model predicts the hybrid host update with this same function (one set of rates for both)."""
+    names = [x for x, _ in order]
     args = split_args([n for _, n in order], **kw) if order else None
     if args is None:
         only = sum(n for _, n in order) / (rates.cpu_gps * update_split.GB)
-        return Split([], [x for x, _ in order], only, only, "the GPU staging holds no chunk")
-    return plan_split(order, rates, **args)
+        return Split([], names, only, only, "the GPU staging holds no chunk"), []
+    split = plan_split(order, rates, **args)
+    # Speculative steps: the GPU path's prefix shrinks as the CPU's head start (the backward) grows; the
+    # longest one (no head start) bounds which groups it may ever take.
+    longest = len(plan_split(order, rates, speculative=True, backward_s=0.0, **args).gpu)
+    chosen = set(split.gpu) | set(names[:longest])
+    return split, [x for x in names if x in chosen]
 
 
 def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host_names: list[str],
@@ -258,15 +265,14 @@ def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host
         if rates is None:
             rates = measure_rates(streams.device, cpu_opt.kernel) if streams.cuda else UpdateRates()
         # The plan predicted its hybrid term with this same split (first_split) at these rates.
-        kw = split_args(list(numels.values()), staging_bytes=staging_bytes, grads_on_host=grads_on_host,
-                        stream_bytes=c, grad_bytes=grad_bytes(cfg), shadow=store.shadow is not None)
-        # Speculative steps: the GPU path's prefix shrinks as the CPU's head start (the backward) grows; the
-        # longest one (no head start) bounds which groups it may ever take. Until a backward is measured,
-        # a speculative step keeps the CPU path alone (it is what ran before: never slower).
+        args = dict(staging_bytes=staging_bytes, grads_on_host=grads_on_host, stream_bytes=c,
+                    grad_bytes=grad_bytes(cfg), shadow=store.shadow is not None)
+        kw = split_args(list(numels.values()), **args)
+        first, candidates = first_split(order, rates, **args)
+        # Until a backward is measured, a speculative step keeps the CPU path alone (it is what ran before:
+        # never slower); then its prefix, at most the longest one (no head start: the candidates' prefix).
         longest = len(plan_split(order, rates, speculative=True, backward_s=0.0, **kw).gpu)
-        splits = {False: plan_split(order, rates, **kw), True: Split([], list(host_names), reason="no backward measured yet")}
-
-        candidates = [x for x in host_names if x in set(splits[False].gpu) | set(host_names[:longest])]
+        splits = {False: first, True: Split([], list(host_names), reason="no backward measured yet")}
         if cfg.gpu_path_prefetch:
             candidates = list(host_names)  # any group may be prefetched (its m, v are pinned for it)
         eligible = frozenset(candidates)  # pinned and (maybe) kept for the path: replanning stays within them

@@ -342,10 +342,11 @@ def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool
     update path (``update_path``: "cpu" | "hybrid" | "auto"; "hybrid" keeps ``staging_reserve`` bytes of the
     GPU free for it), and predict both memories and (on a GPU) the step time at ``rates`` (see module doc).
     The hybrid prediction's split is the engine's own (``host_tier.first_split`` at ``rates.update_rates()``,
-    which the engine measures before planning): where it gives the GPU path no group, "hybrid" is planned as
-    "cpu" (no staging kept free) and "auto" resolves to "cpu", unless ``gpu_path_forced`` (the engine's
-    ``gpu_path_groups`` names the groups, so the split is not the model's; or data parallel, which refuses
-    "hybrid" when it builds the host tier).
+    which the engine measures before planning): where it gives the GPU path no group in a step that waits for
+    the norm (the regime the model predicts), "hybrid" is planned as "cpu" (no staging kept free) and "auto"
+    resolves to "cpu", unless ``gpu_path_forced`` (the engine's
+    ``gpu_path_groups`` names the groups, so the split is not the model's; ``gpu_path_prefetch``, whose
+    groups the model does not predict; or data parallel, which refuses "hybrid" when it builds the host tier).
     Raises ``DoesNotFit`` (a MemoryError) with one line of numbers when the configuration fits neither;
     nothing has been allocated at that point."""
     if grads not in ("gpu", "host", "auto"):
@@ -361,7 +362,8 @@ def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool
         if update_path == "auto":
             out.update_path_reason = "auto: CPU run (nothing predicted)"
         if path == "hybrid" and on_gpu and not gpu_path_forced and out.host_names and not _gpu_path_groups(out):
-            # The engine's split at these rates would run the CPU kernel alone: keep no staging for it.
+            # The engine's split at these rates gives the GPU path nothing in the steps the plan models (clipping
+            # firing): keep no staging for it (a speculative step's prefix alone does not pay for a GPU-tier layer).
             cpu = _plan_path(numels, shape, grads, args, "cpu", staging_reserve)
             cpu.update_path_setting = "hybrid"
             cpu.update_path_reason = (f"hybrid asked, but the split at the update rates ({_rates_text(rates)}) gives "
@@ -394,7 +396,8 @@ def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool
 
 
 def _gpu_path_groups(placement: Placement) -> int:
-    """Host-tier groups the hybrid plan's split gives the GPU path (its prediction's)."""
+    """Host-tier groups the hybrid plan's split gives the GPU path in a step that waits for the norm (its
+    prediction's: the engine's first split at the same rates)."""
     return int(placement.prediction.parts.get("gpu_path_groups", 0)) if placement.prediction else 0
 
 

@@ -138,7 +138,7 @@ def test_cost_model_hybrid_is_the_split_of_update_split():
     cpu = cost_model.predict(load)
     hybrid = cost_model.predict(dataclasses.replace(load, update_path="hybrid"))
     assert hybrid.parts["host_update_cpu_only_s"] == pytest.approx(cpu.parts["host_update_s"], rel=1e-2)
-    split, on = cost_model.hybrid_split(load, cost_model.Rates(), 0.0)
+    split, on, _ = cost_model.hybrid_split(load, cost_model.Rates(), 0.0)
     assert split.predicted_cpu_only_s == pytest.approx(cpu.parts["host_update_s"], rel=1e-2)
     assert hybrid.parts["host_update_s"] == pytest.approx(split.predicted_s)
     assert len(on) == len(_numels()) and sum(on) == len(split.gpu) == hybrid.parts["gpu_path_groups"]

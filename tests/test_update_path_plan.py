@@ -65,8 +65,9 @@ def test_planned_gpu_path_groups_are_the_runtime_split(urates, overrides):
         plan, _, _ = _tiny_plan(engine, cfg, urates, forced=True)  # the hybrid plan, whatever its split
         assert plan.update_path == "hybrid" and plan.host_names
         parts = plan.prediction.parts
-        runtime, _ = _runtime_split(engine, cfg, plan, urates)
+        runtime, ht = _runtime_split(engine, cfg, plan, urates)
         assert parts["gpu_path_groups"] == len(runtime)
+        assert parts["gpu_path_candidates"] == (len(ht.gpu.names) if ht.gpu is not None else 0)
         assert parts["gpu_path_params"] == sum(engine.store.by_name[x].numel for x in runtime)
         if urates is SLOW_CPU:
             assert runtime  # the case where the plan reserves staging: the runtime uses it
@@ -134,9 +135,10 @@ def test_engine_plans_and_splits_at_the_injected_rates_and_matches_pytorch():
         assert engine.update_rates is urates
         assert engine.host_tier.rates == urates and engine.host_tier.rates is not urates
         order = [(x, engine.store.by_name[x].numel) for x in engine.placement.host_names]
-        want = first_split(order, urates, staging_bytes=float("inf"), grads_on_host=False, stream_bytes=4,
-                           grad_bytes=4, shadow=False)
+        want, candidates = first_split(order, urates, staging_bytes=float("inf"), grads_on_host=False,
+                                       stream_bytes=4, grad_bytes=4, shadow=False)
         assert engine.host_tier.split_for(False).gpu == want.gpu and want.gpu and want.cpu
+        assert engine.host_tier.gpu.names == candidates
         assert engine.memory().extra["update_rates"]["cpu_gps"] == SLOW_CPU.cpu_gps
     finally:
         engine.close()
