@@ -103,7 +103,7 @@ def test_cuda_nan_skip_leaves_gpu_path_groups_untouched():
     engine.close()
 
 
-@pytest.mark.parametrize("gpu_resident", ["0", "auto"])  # pure streaming (most staging), tiered
+@pytest.mark.parametrize("gpu_resident", ["0", "2"])  # pure streaming, tiered (layers 2-3 + head on the host)
 def test_cuda_plan_and_runtime_split_agree_at_the_measured_rates(gpu_resident):
     """The update rates are measured before the plan, and the plan and the host tier use the same ones: the
     plan's predicted GPU-path groups are the runtime's first split (the groups of the first step), or the
