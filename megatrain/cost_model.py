@@ -24,11 +24,17 @@ The model (clipping firing every step, the regime every sweep row measures; see 
                                                         forward: what the forward does not cover is exposed,
                                                         max(0, host update - forward); never faster than its
                                                         gradients come down (c B/param D2H, grad_placement gpu)
-                 or the hybrid split's time               update_path="hybrid": update_split.plan_split over the
-                                                        CPU and the link each way (the same CPU rate, so "cpu"
-                                                        is the split with no GPU-path group)
+                 or the hybrid split's time               update_path="hybrid": the split the engine makes first
+                                                        (host_tier.first_split: update_split.plan_split over the
+                                                        CPU and the link each way) at the same UpdateRates; its
+                                                        CPU-only time is the term above, and a split with no
+                                                        GPU-path group is that term
     GPU update   P_gpu / device rate                    fused AdamW on the device, serial after the backward
     step = forward + exposed host update + loss + backward + GPU update
+
+The host update's rates are ``Rates.update_rates()``: the ``UpdateRates`` the engine measured at build on a GPU
+(before planning: ``Rates.update``), else the ``cpu_adamw_*`` / link fields here. The CPU rate is the engine's
+(its update worker's busy time, calibrated on the H200 rows: see ``H200_CPU_ADAMW_GPARAMS``).
 
 F, R, B come from FLOPs at ``gpu_tflops`` (forward 2 P T + 4 h s T, recompute the same, backward twice it)
 unless measured per-layer times are given. With ``speculate`` (clipping not firing) the host update runs
@@ -55,8 +61,18 @@ GB = 1e9
 # Measured on the H200 node (/work/shared/reference/h200_limits.json, 2026-11-30; DESIGN.md, 2026-12-02).
 H200_H2D_GBPS = 55.3  # pinned host -> GPU, one direction alone
 H200_D2H_GBPS = 55.2
-H200_CPU_ADAMW_GPARAMS = 4.20  # fused AdamW on 16 cores, alone
-H200_CPU_ADAMW_UNDER_COPY_GPARAMS = 2.72  # the same with pinned H2D + D2H copies running (46 GB/s each way)
+# The host tier's CPU update in the engine (calibrated, docs/engine.md "The step-time model"): parameters over
+# the worker's busy time (phases.host_update_busy_s) in the H200 update_path rows at a9736ef, clipping firing,
+# cores bound (host_update_cores="auto", the default): 14B tiered 16x1024 4.24-4.56 Gparam/s (7.94B host-tier
+# params, busy 1.74-1.87 s), 3B pure streaming 16x1024 3.82-4.03 (3.09B, 0.77-0.81 s); pooled 4.26. The next
+# forward's weight loads run beside it (one direction, during the forward only) and barely slow it: the same
+# as the kernel alone on that host (4.10-4.20, results/host_kernel), not its rate under saturated copies both
+# ways (2.72), which the model used until a9736ef (predicting 14B 5.67 s for a measured 4.60).
+H200_CPU_ADAMW_GPARAMS = 4.20
+# The CPU kernel while the GPU update path's copies run both ways (46 GB/s each way): 2.72 alone on the node
+# (DESIGN.md 2026-12-02); the engine's 3B hybrid row at a9736ef implies 2.3-2.8 (CPU-path params over its
+# busy time, the GPU path busy for most of it). Used only by the hybrid split.
+H200_CPU_ADAMW_UNDER_COPY_GPARAMS = 2.72
 # A decoder layer's achieved bf16 rate grows with its width. Engine steps on the H200 (b765233, every block
 # recomputed, clipping firing) reported 327 TFLOPS for the 3B shape (h 2048) at 16x1024 and 374 for 7B
 # (h 3584) at 8x1024, 398 for 14B (h 5120) at 96x1024; x 8/6 for the recompute the reported figure does not
@@ -74,10 +90,6 @@ H200_GPU_CAST_GBPS = 2400.0
 H200_LINK_BOTH_WAYS = 46.0 / 55.3
 # Bytes the CPU AdamW moves per parameter besides the gradient: fp32 p, m, v read and written.
 CPU_STATE_BYTES = 24
-# The GPU update path's rotating buffers (megatrain/streamed_update.py: two p, m, v chunks of 32M elements and
-# one chunk's fp32 gradient, plus its upload with grad_placement="host"): what its staging holds before any
-# kept master.
-GPU_PATH_ROTATING_BYTES = (2 * 12 + 4 + 4) * (1 << 25)
 
 
 def layer_tflops(hidden: int, table=H200_LAYER_TFLOPS) -> float:
@@ -101,13 +113,20 @@ class Rates:
     layer_backward_s: float | None = None  # ... its backward (weight and input gradients)
     h2d_gbps: float = H200_H2D_GBPS
     d2h_gbps: float = H200_D2H_GBPS
-    cpu_adamw_gparams: float = H200_CPU_ADAMW_GPARAMS  # host AdamW alone
-    cpu_adamw_under_copy_gparams: float = H200_CPU_ADAMW_UNDER_COPY_GPARAMS  # while weights stream over PCIe
+    cpu_adamw_gparams: float = H200_CPU_ADAMW_GPARAMS  # host AdamW in the engine (the next forward streaming)
+    cpu_adamw_under_copy_gparams: float = H200_CPU_ADAMW_UNDER_COPY_GPARAMS  # beside the GPU path's copies
     gpu_adamw_gparams: float = H200_GPU_ADAMW_GPARAMS
     gpu_cast_gbps: float = H200_GPU_CAST_GBPS  # bytes read + written per second by a slot cast (GPU tier)
     link_both_ways: float = H200_LINK_BOTH_WAYS  # share of each direction's rate left while the other runs
     gpu_bytes: int | None = None  # GPU memory (for reports; the plan takes its budget from the device)
     host_bytes: int | None = None
+    # The host update's rates (an update_split.UpdateRates), as the runtime split uses them: the engine
+    # measures them at build on a GPU, before it plans. None: from the fields above (``update_rates``).
+    update: "update_split.UpdateRates | None" = None
+
+    def update_rates(self) -> "update_split.UpdateRates":
+        """The rates both host update terms run at (the CPU kernel alone, and the hybrid split)."""
+        return self.update if self.update is not None else update_split.UpdateRates.from_cost_model(self)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -132,6 +151,7 @@ class StepLoad:
     passes: int = 1  # passes over the layers per step (micro_batch_schedule="sequential": one per micro-batch)
     compute_bytes: int = 2  # bytes of a slot's weights per parameter (a GPU-tier layer's cast writes them)
     grads_on_host: bool = False  # grad_placement="host": host-tier gradients go out (fp32) during the backward
+    bf16_shadow: bool = False  # host-tier layers stream from a bf16 shadow (the GPU update path keeps no master)
     update_path: str = "cpu"  # the host tier's update: "cpu" (CPU kernel) or "hybrid" (+ the GPU update path)
     # Host-tier groups' parameters in the order the next forward needs them (embed, layers, final), for the
     # hybrid split; None: the embedding / head sum first, then the host layers.
@@ -155,6 +175,7 @@ class Prediction:
 
     step_s: float
     parts: dict[str, float] = field(default_factory=dict)
+    split_reason: str = ""  # update_path "hybrid": why the split is what it is (update_split.Split.reason)
 
     def describe(self) -> str:
         p = self.parts
@@ -209,7 +230,8 @@ def predict(load: StepLoad, rates: Rates | None = None) -> Prediction:
     grad_bytes = 4 if load.grads_on_host else load.grad_bytes
     d2h = load.params_host * grad_bytes / (rates.d2h_gbps * GB)
     loss = 6 * load.vocab * load.hidden * load.tokens / ((rates.gpu_tflops or layer_tflops(load.hidden)) * 1e12)
-    host_rate = rates.cpu_adamw_under_copy_gparams if any(not g for g in load.layer_on_gpu) else rates.cpu_adamw_gparams
+    urates = rates.update_rates()
+    host_rate = urates.cpu_gps  # the CPU kernel without the GPU path's copies (the forward's loads may run)
     if load.grads_on_host:  # it reads an fp32 gradient from host RAM: 28 B/param instead of 24 + c
         host_rate *= (CPU_STATE_BYTES + load.compute_bytes) / (CPU_STATE_BYTES + 4)
     host_update = load.params_host / (host_rate * GB)
@@ -219,16 +241,19 @@ def predict(load: StepLoad, rates: Rates | None = None) -> Prediction:
     covered = bwd if load.speculate else fwd
     parts = dict(forward_s=fwd, loss_s=loss, backward_s=bwd, recompute_s=recompute, host_update_s=host_update,
                  host_update_exposed_s=0.0, gpu_update_s=gpu_update, h2d_s=h2d, d2h_s=d2h)
+    reason = ""
     if load.update_path == "hybrid" and load.params_host:
-        split, on_gpu_path = hybrid_split(load, rates, host_rate, backward_s=bwd)
+        split, on_gpu_path, candidates = hybrid_split(load, rates, backward_s=bwd)
+        reason = split.reason
         parts.update(host_update_cpu_only_s=host_update, gpu_path_groups=float(len(split.gpu)),
+                     gpu_path_candidates=float(candidates),
                      gpu_path_params=float(sum(p for p, on in zip(_host_groups(load), on_gpu_path) if on)))
-        # plan_split's time runs from the norm (a speculative CPU path's head start already spent)
-        host_update = split.predicted_s + (bwd if load.speculate else 0.0)
-        parts["host_update_s"] = host_update
+        if split.gpu:  # plan_split's time runs from the norm (a speculative CPU path's head start already spent)
+            host_update = split.predicted_s + (bwd if load.speculate else 0.0)
+        parts["host_update_s"] = host_update  # no GPU-path group: the CPU kernel alone, the term above
     exposed = max(0.0, host_update - covered)
     parts["host_update_exposed_s"] = exposed
-    return Prediction(step_s=fwd + exposed + loss + bwd + gpu_update, parts=parts)
+    return Prediction(step_s=fwd + exposed + loss + bwd + gpu_update, parts=parts, split_reason=reason)
 
 
 def _host_groups(load: StepLoad) -> list[int]:
@@ -238,22 +263,25 @@ def _host_groups(load: StepLoad) -> list[int]:
     return ([load.other_params_host] if load.other_params_host else []) + layers
 
 
-def hybrid_split(load: StepLoad, rates: Rates, cpu_rate: float,
-                 backward_s: float) -> tuple["update_split.Split", list[bool]]:
-    """The host tier's update split between the CPU kernel and the GPU update path (update_split.plan_split)
-    at these rates: the CPU at ``cpu_rate`` Gparam/s (the rate the CPU-only term uses, so that the two are
-    compared on one footing), the link at its rate with both directions running. Returns the split and, per
-    host group (forward order), whether it takes the GPU path."""
+def hybrid_split(load: StepLoad, rates: Rates, backward_s: float) -> tuple["update_split.Split", list[bool], int]:
+    """The host tier's update split between the CPU kernel and the GPU update path at ``rates.update_rates()``:
+    for a step that waits for the norm, the split the runtime makes first (``megatrain.host_tier.first_split``,
+    the same function at the same rates and staging, so the plan and the engine agree on the groups); for a
+    speculative one, ``plan_split``'s prefix with the CPU path's head start ``backward_s``. Returns the split,
+    per host group (forward order) whether it takes the GPU path, and how many groups the runtime's GPU path
+    would hold (``first_split``'s candidates; 0: the engine builds no GPU path)."""
+    from .host_tier import first_split, split_args  # the runtime's split (imports torch: not at module load)
+
     groups = _host_groups(load)
     names = [f"g{i}" for i in range(len(groups))]
-    urates = update_split.UpdateRates(cpu_gps=cpu_rate,
-                                      cpu_loaded_gps=min(cpu_rate, rates.cpu_adamw_under_copy_gparams),
-                                      h2d_gbs=rates.h2d_gbps * rates.link_both_ways,
-                                      d2h_gbs=rates.d2h_gbps * rates.link_both_ways, gpu_gps=rates.gpu_adamw_gparams)
-    kept_all = load.gpu_path_staging_bytes - GPU_PATH_ROTATING_BYTES >= 4 * sum(groups)
-    split = update_split.plan_split(
-        list(zip(names, groups)), urates, speculative=load.speculate, backward_s=backward_s,
-        stream_bytes=load.stream_bytes, grad_bytes=0 if load.grads_on_host else load.grad_bytes,
-        grad_up_bytes=4 if load.grads_on_host else 0, gpu_load_bytes=0 if kept_all else load.stream_bytes)
+    order = list(zip(names, groups))
+    kw = dict(staging_bytes=load.gpu_path_staging_bytes, grads_on_host=load.grads_on_host,
+              stream_bytes=load.stream_bytes, grad_bytes=load.grad_bytes, shadow=load.bf16_shadow)
+    urates = rates.update_rates()
+    split, candidates = first_split(order, urates, **kw)
+    if load.speculate:
+        args = split_args(groups, **kw)
+        split = (update_split.plan_split(order, urates, speculative=True, backward_s=backward_s, **args) if args
+                 else update_split.Split([], names, reason="the GPU staging holds no chunk"))
     chosen = set(split.gpu)
-    return split, [x in chosen for x in names]
+    return split, [x in chosen for x in names], len(candidates)

@@ -15,15 +15,16 @@ import copy
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import arch, checkpoint, checkpoint_layout, memory, placement
+from . import arch, checkpoint, checkpoint_layout, cost_model, memory, placement
 from .boundaries import HostBuffers, make_boundaries
 from .config import EngineConfig
+from .cpu_adamw import HostKernel
 from .device_adamw import DeviceAdamW
 from .grad_offload import GradStream
 from .grad_placement import make_grad_home
@@ -38,6 +39,7 @@ from .spec import with_positions
 from .store import ModelStore, make_groups, views
 from .streams import StreamSet
 from .system import IGNORE_INDEX, MemoryStats, StepResult, labels_from_batch, shift_labels, split_micro_batches
+from .update_split import UpdateRates, measure_rates
 from .validate import validate_batch
 
 
@@ -87,8 +89,9 @@ class MegaTrain:
         ``tiers``: group name -> "gpu" | "host", overriding the plan's choice; ``keep``: the checkpoint blocks
         (index b = layers b*K ..) whose activations are kept, overriding ``cfg.recompute`` (advanced; tests
         use both for mixed placements). ``rates``: a ``megatrain.cost_model.Rates`` of this machine for the
-        step-time model (default: the H200's). ``dist``: a ``megatrain.distributed.DataParallel`` to train
-        data-parallel with one host store per node."""
+        step-time model (default: the H200's; its ``update``, an ``UpdateRates``, replaces the host update's
+        rates otherwise measured here before planning, for the plan and the runtime split alike). ``dist``: a
+        ``megatrain.distributed.DataParallel`` to train data-parallel with one host store per node."""
         cfg = cfg or EngineConfig()
         arch.check_supported(hf_config)
         hf_config = copy.deepcopy(hf_config)
@@ -116,6 +119,11 @@ class MegaTrain:
         pin = on_gpu and cfg.pin_memory
         self._boundary_host = HostBuffers(pin, self.link)  # offloaded block boundaries' host home, reused
 
+        # The host update's rates, measured here on a GPU (about a second) BEFORE planning: the plan's
+        # update-path decision and the runtime split (build_host_tier) then come from one set of rates.
+        self.update_rates = self._update_rates(rates)
+        if self.update_rates is not None:
+            rates = replace(rates or cost_model.Rates(), update=self.update_rates)
         # Placement: which groups live on the GPU tier, checked against both memories before allocating.
         self.placement = self._plan(tokens_per_step, seq_len, tiers, keep, rates)
         # K and the pool (one block resident through recompute + backward, plus num_slots - 1 prefetch
@@ -159,9 +167,9 @@ class MegaTrain:
         self.host_tier = build_host_tier(self.host_opt, store=self.store, cfg=cfg, streams=self.streams,
                                          host_names=self.placement.host_names, grads_on_host=self.placement.grads == "host",
                                          staging_bytes=self._staging_bytes(), dist=dist,
-                                         update_path=self.placement.update_path)
-        # host_update_cores (default auto): after build_host_tier, whose rate measurement runs the kernel from
-        # this thread, so that its OpenMP team is not created inside the main thread's narrowed mask.
+                                         update_path=self.placement.update_path, rates=self.update_rates)
+        # host_update_cores (default auto): after the rate measurement (before the plan), which runs the kernel
+        # from this thread, so that its OpenMP team is not created inside the main thread's narrowed mask.
         self.host_opt.bind_cores(cfg.host_update_cores, cuda=on_gpu and not dist)
         if verbose and self.placement.update_path != "cpu":
             print(f"[megatrain] {self.host_tier.summary()}", flush=True)
@@ -184,6 +192,21 @@ class MegaTrain:
         self._peak_rss = 0
         self.stats: dict[str, float] = {}  # host-side timings of the last step (see _Timer)
 
+    def _update_rates(self, rates) -> UpdateRates | None:
+        """The host update's rates for the plan and the runtime split: None where nothing is to decide (update
+        path "cpu", data parallel, or a forced split); those given (``rates.update``); measured on a GPU
+        (update_split.measure_rates with the host kernel, as build_host_tier measured them before); else the
+        cost model's (a CPU run)."""
+        cfg = self.cfg
+        if cfg.update_path == "cpu" or self.dist is not None or cfg.gpu_path_groups != "auto":
+            return None
+        if rates is not None and rates.update is not None:
+            return rates.update
+        if self.device.type == "cuda":
+            threads = max(1, torch.get_num_threads() - 1)  # as HostAdamW runs it (one core left to this thread)
+            return measure_rates(self.device, HostKernel(cfg.optim, threads))
+        return (rates or cost_model.Rates()).update_rates()
+
     def _plan(self, tokens_per_step, seq_len, tiers, keep, rates) -> placement.Placement:
         cfg, c = self.cfg, torch.finfo(self.dtype).bits // 8
         seq = seq_len or min(self.config.max_position_embeddings, DEFAULT_PLAN_TOKENS)
@@ -202,7 +225,11 @@ class MegaTrain:
                               host_margin=int(cfg.host_margin_gib * placement.GIB), tiers=tiers,
                               grads=cfg.grad_placement, kept=keep, rates=rates,
                               update_path="cpu" if (self.dist and cfg.update_path == "auto") else cfg.update_path,
-                              staging_reserve=int(cfg.update_staging_gib * placement.GIB) if on_gpu else 0)
+                              staging_reserve=int(cfg.update_staging_gib * placement.GIB) if on_gpu else 0,
+                              # keep an explicit "hybrid" as asked: a forced split, prefetch (not in the model),
+                              # data parallel (refused by build_host_tier)
+                              gpu_path_forced=(cfg.gpu_path_groups != "auto" or cfg.gpu_path_prefetch
+                                               or self.dist is not None))
 
     def _staging_reserve_gib(self) -> float:
         """GPU memory the plan kept free for the host tier's GPU update path (update_path "hybrid", or "auto"

@@ -182,22 +182,63 @@ class HybridHostAdamW:
                 f"{len(self.gpu.kept)} kept masters{pre}); " + "; ".join(parts) + rates)
 
 
+def grad_bytes(cfg) -> int:
+    """Bytes per parameter of a host-tier layer gradient the CPU path pulls down (the compute dtype's)."""
+    return torch.finfo(cfg.resolved_compute_dtype()).bits // 8
+
+
 def _clamp(value: float, measured: float) -> float:
     return min(4 * measured, max(measured / 4, value))
 
 
+def split_args(numels: list[int], *, staging_bytes: float, grads_on_host: bool, stream_bytes: int,
+               grad_bytes: int, shadow: bool) -> dict | None:
+    """``plan_split``'s keyword arguments for the host-tier groups of ``numels`` (their bytes per parameter
+    each way) when the GPU path may hold ``staging_bytes``; None when that holds not even one chunk. Masters
+    are kept (the next forward casts them on the GPU: no second load) when what the chunks leave holds them
+    all and nothing is streamed from a bf16 shadow; otherwise the model counts a GPU-path group's load too."""
+    chunk = staging_chunk(max(numels), staging_bytes, grads_on_host)
+    if chunk == 0:
+        return None
+    kept_all = staging_bytes - rotating_bytes(chunk, grads_on_host) >= 4 * sum(numels) and not shadow
+    return dict(stream_bytes=stream_bytes, grad_bytes=0 if grads_on_host else grad_bytes,
+                grad_up_bytes=4 if grads_on_host else 0, gpu_load_bytes=0 if kept_all else stream_bytes)
+
+
+def first_split(order: list[tuple[str, int]], rates: UpdateRates, **kw) -> tuple[Split, list[str]]:
+    """What ``build_host_tier`` decides first (gpu_path_groups "auto", no prefetch) at ``rates`` for the
+    host-tier groups ``order`` ((name, numel), forward order); ``kw``: ``split_args``'s. Returns the split for a
+    step that waits for the global norm, and the GPU path's candidates: those groups and the longest prefix a
+    speculative step may take (no head start); no candidate: no GPU path is built. The planner's step-time
+    model predicts the hybrid host update with this same function (one set of rates for both)."""
+    names = [x for x, _ in order]
+    args = split_args([n for _, n in order], **kw) if order else None
+    if args is None:
+        only = sum(n for _, n in order) / (rates.cpu_gps * update_split.GB)
+        return Split([], names, only, only, "the GPU staging holds no chunk"), []
+    split = plan_split(order, rates, **args)
+    # Speculative steps: the GPU path's prefix shrinks as the CPU's head start (the backward) grows; the
+    # longest one (no head start) bounds which groups it may ever take.
+    longest = len(plan_split(order, rates, speculative=True, backward_s=0.0, **args).gpu)
+    chosen = set(split.gpu) | set(names[:longest])
+    return split, [x for x in names if x in chosen]
+
+
 def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host_names: list[str],
                     grads_on_host: bool, staging_bytes: float, dist=None,
-                    update_path: str | None = None) -> HybridHostAdamW:
+                    update_path: str | None = None, rates: UpdateRates | None = None) -> HybridHostAdamW:
     """The host tier's optimizer for ``cfg`` (an EngineConfig): ``cpu_opt`` alone (update path "cpu"), or with
     the GPU path, its split forced (``gpu_path_groups`` names) or planned from measured rates ("auto").
     ``update_path``: the path the plan resolved ("cpu" | "hybrid"; default ``cfg.update_path``, which must
-    not be "auto" then). ``staging_bytes``: GPU memory the path may hold (rotating buffers + kept masters)."""
+    not be "auto" then). ``staging_bytes``: GPU memory the path may hold (rotating buffers + kept masters).
+    ``rates``: the update rates the plan used (the engine measures them before planning); None: measured
+    here on a GPU, the defaults on the CPU. Kept (and reported) even when the path resolved to "cpu"."""
     update_path = update_path or cfg.update_path
     if update_path not in ("cpu", "hybrid"):
         raise ValueError(f"build_host_tier needs a resolved update path ('cpu' or 'hybrid'), got {update_path!r}")
+    rates = dataclasses.replace(rates) if rates is not None else None  # the run calibrates its own copy
     if update_path == "cpu" or not host_names:
-        return HybridHostAdamW(cpu_opt)
+        return HybridHostAdamW(cpu_opt, rates=rates)
     if dist is not None:
         raise ValueError("update_path='hybrid' is not supported with data parallel training (use 'cpu')")
     numels = {x: store.by_name[x].numel for x in host_names}
@@ -206,7 +247,7 @@ def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host
         raise ValueError(f"update_path='hybrid': {staging_bytes / GIB:.2f} GiB of GPU staging is less than the GPU "
                          f"path needs ({rotating_bytes(MIN_CHUNK_ELEMS, grads_on_host) / GIB:.2f} GiB): raise "
                          f"update_staging_gib")
-    rates, replan, choose = None, None, None
+    replan, choose = None, None
     order = [(x, numels[x]) for x in host_names]
     c = 4 if store.shadow is None else 2
     if cfg.gpu_path_groups != "auto":
@@ -215,25 +256,23 @@ def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host
         splits = {False: split, True: split}
         candidates = split.gpu
         if cfg.gpu_path_prefetch:  # the forced groups only, the model's amount
-            rates = UpdateRates()
+            rates = rates or UpdateRates()
             forced_order = [(x, numels[x]) for x in split.gpu]
             choose = lambda bwd: update_split.prefetch_set(  # noqa: E731
                 forced_order, rates, backward_s=bwd, load_bytes=c * sum(numels.values()),
                 budget_bytes=staging_bytes - rotating_bytes(chunk, grads_on_host))
     else:
-        rates = measure_rates(streams.device, cpu_opt.kernel) if streams.cuda else UpdateRates()
-        # Kept masters (no second load) when the staging left after the chunks holds them all; otherwise
-        # the model counts the forward's load of a GPU-path group too.
-        kept_all = staging_bytes - rotating_bytes(chunk, grads_on_host) >= 4 * sum(numels.values())
-        kw = dict(stream_bytes=c, grad_bytes=0 if grads_on_host else 2, grad_up_bytes=4 if grads_on_host else 0,
-                  gpu_load_bytes=0 if (kept_all and store.shadow is None) else c)
-        # Speculative steps: the GPU path's prefix shrinks as the CPU's head start (the backward) grows; the
-        # longest one (no head start) bounds which groups it may ever take. Until a backward is measured,
-        # a speculative step keeps the CPU path alone (it is what ran before: never slower).
+        if rates is None:
+            rates = measure_rates(streams.device, cpu_opt.kernel) if streams.cuda else UpdateRates()
+        # The plan predicted its hybrid term with this same split (first_split) at these rates.
+        args = dict(staging_bytes=staging_bytes, grads_on_host=grads_on_host, stream_bytes=c,
+                    grad_bytes=grad_bytes(cfg), shadow=store.shadow is not None)
+        kw = split_args(list(numels.values()), **args)
+        first, candidates = first_split(order, rates, **args)
+        # Until a backward is measured, a speculative step keeps the CPU path alone (it is what ran before:
+        # never slower); then its prefix, at most the longest one (no head start: the candidates' prefix).
         longest = len(plan_split(order, rates, speculative=True, backward_s=0.0, **kw).gpu)
-        splits = {False: plan_split(order, rates, **kw), True: Split([], list(host_names), reason="no backward measured yet")}
-
-        candidates = [x for x in host_names if x in set(splits[False].gpu) | set(host_names[:longest])]
+        splits = {False: first, True: Split([], list(host_names), reason="no backward measured yet")}
         if cfg.gpu_path_prefetch:
             candidates = list(host_names)  # any group may be prefetched (its m, v are pinned for it)
         eligible = frozenset(candidates)  # pinned and (maybe) kept for the path: replanning stays within them

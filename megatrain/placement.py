@@ -335,12 +335,18 @@ def tiers_for_layers(names: list[str], n: int) -> dict[str, str]:
 def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool, gpu_free: int, host_available: int,
          gpu_margin: int, host_margin: int, tiers: dict[str, str] | None = None, grads: str = "auto",
          kept: set[int] | None = None, rates: "cost_model.Rates | None" = None, update_path: str = "cpu",
-         staging_reserve: int = 0) -> Placement:
+         staging_reserve: int = 0, gpu_path_forced: bool = False) -> Placement:
     """Decide the tiers (or check the given ``tiers``), where the host tier's gradients wait (``grads``:
     "gpu" | "host" | "auto"), for ``shape.mlp_chunk_tokens`` = 0 whether to chunk the MLP, which blocks
     keep their activations (``shape.recompute``, or the given ``kept`` block indices), and the host tier's
     update path (``update_path``: "cpu" | "hybrid" | "auto"; "hybrid" keeps ``staging_reserve`` bytes of the
     GPU free for it), and predict both memories and (on a GPU) the step time at ``rates`` (see module doc).
+    The hybrid prediction's split is the engine's own (``host_tier.first_split`` at ``rates.update_rates()``,
+    which the engine measures before planning): where it gives the GPU path no group in a step that waits for
+    the norm (the regime the model predicts), "hybrid" is planned as "cpu" (no staging kept free) and "auto"
+    resolves to "cpu", unless ``gpu_path_forced`` (the engine's
+    ``gpu_path_groups`` names the groups, so the split is not the model's; ``gpu_path_prefetch``, whose
+    groups the model does not predict; or data parallel, which refuses "hybrid" when it builds the host tier).
     Raises ``DoesNotFit`` (a MemoryError) with one line of numbers when the configuration fits neither;
     nothing has been allocated at that point."""
     if grads not in ("gpu", "host", "auto"):
@@ -355,6 +361,15 @@ def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool
         out.update_path_setting = update_path
         if update_path == "auto":
             out.update_path_reason = "auto: CPU run (nothing predicted)"
+        if path == "hybrid" and on_gpu and not gpu_path_forced and out.host_names and not _gpu_path_groups(out):
+            # The engine's split at these rates gives the GPU path nothing in the steps the plan models (clipping
+            # firing): keep no staging for it (a speculative step's prefix alone does not pay for a GPU-tier layer).
+            cpu = _plan_path(numels, shape, grads, args, "cpu", staging_reserve)
+            cpu.update_path_setting = "hybrid"
+            cpu.update_path_reason = (f"hybrid asked, but the split at the update rates ({_rates_text(rates)}) gives "
+                                      f"the GPU path none of the {len(out.host_names)} host-tier groups "
+                                      f"({out.prediction.split_reason}): planned as cpu, no GPU staging kept")
+            return cpu
         return out
     # "auto": the plan for each path (the hybrid one keeps its staging free), the faster by the model; the
     # GPU path must be predicted CONTESTED_GAIN faster (its split and rates are the least measured part).
@@ -369,13 +384,25 @@ def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool
         cpu.update_path_reason = f"auto: hybrid does not fit ({exc})"
         return cpu
     a, b = cpu.prediction.step_s, hybrid.prediction.step_s
-    gpu_groups = int(hybrid.prediction.parts.get("gpu_path_groups", 0))
-    won = b < a * (1 - CONTESTED_GAIN) and gpu_groups > 0
+    gpu_groups = _gpu_path_groups(hybrid)
+    won = b < a * (1 - CONTESTED_GAIN) and (gpu_groups > 0 or gpu_path_forced)
     chosen = hybrid if won else cpu
     chosen.update_path_setting = "auto"
     chosen.update_path_reason = (f"auto: predicted {a:.3f} s with the CPU kernel alone vs {b:.3f} s with the GPU "
-                                 f"update path beside it ({gpu_groups} of {len(hybrid.host_names)} host-tier groups)")
+                                 f"update path beside it ({gpu_groups} of {len(hybrid.host_names)} host-tier groups"
+                                 f"{'' if gpu_groups else ': ' + hybrid.prediction.split_reason}; update rates "
+                                 f"{_rates_text(rates)})")
     return chosen
+
+
+def _gpu_path_groups(placement: Placement) -> int:
+    """Host-tier groups the hybrid plan's split gives the GPU path in a step that waits for the norm (its
+    prediction's: the engine's first split at the same rates)."""
+    return int(placement.prediction.parts.get("gpu_path_groups", 0)) if placement.prediction else 0
+
+
+def _rates_text(rates) -> str:
+    return (rates or cost_model.Rates()).update_rates().describe()
 
 
 def _plan_path(numels, shape: StepShape, grads: str, args: dict, update_path: str, staging_reserve: int) -> Placement:
@@ -676,7 +703,7 @@ def step_load(numels: dict[str, int], tiers: dict[str, str], shape: StepShape,
         other_params_host=sum(numels[x] for x in other if tiers[x] == "host"),
         stream_bytes=shape.stream_bytes, grad_bytes=4 if shape.grads == "host" else shape.compute_bytes,
         passes=shape.micro_batches if shape.sequential else 1, compute_bytes=shape.compute_bytes,
-        grads_on_host=shape.grads == "host", update_path=shape.update_path,
+        grads_on_host=shape.grads == "host", bf16_shadow=shape.bf16_shadow, update_path=shape.update_path,
         host_group_params=[numels[x] for x in numels if tiers[x] == "host"],  # group order = forward order
         gpu_path_staging_bytes=gpu_path_staging)
 

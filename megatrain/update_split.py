@@ -19,8 +19,9 @@ that both paths finish together and the groups finish roughly in the forward's o
 GPU path a prefix of the forward order instead: the groups the CPU would update last and the forward
 needs first. Rates come from ``measure_rates`` on the GPU machine (build time, ~1 s) or the defaults.
 
-A step-time model (megatrain/cost_model.py, the planner's, when it exists) can call ``plan_split`` with its
-own measured rates and read ``Split.predicted_s``.
+The planner's step-time model (megatrain/cost_model.py) predicts the hybrid host update with the very split
+the runtime makes first (``megatrain.host_tier.first_split``) at the same ``UpdateRates``, so the plan
+reserves GPU staging only where the runtime will use the GPU path.
 """
 from __future__ import annotations
 
@@ -33,9 +34,11 @@ STATE_BYTES = 12  # fp32 master + m + v, each way
 
 @dataclass
 class UpdateRates:
-    """Measured rates of the update paths (defaults: the H200 node, DESIGN.md, 2026-12-02)."""
+    """Rates of the two update paths: ONE set for the plan (megatrain/cost_model.py's host update terms) and
+    the runtime split (megatrain/host_tier.py). On a GPU the engine measures them (``measure_rates``) before it
+    plans; defaults: the H200 node (``cpu_gps``: the engine's CPU update busy time, see cost_model)."""
 
-    cpu_gps: float = 4.20  # CPU AdamW, Gparam/s, alone
+    cpu_gps: float = 4.20  # CPU AdamW, Gparam/s, without the GPU path's copies (the next forward's loads may run)
     cpu_loaded_gps: float = 2.72  # CPU AdamW, Gparam/s, while pinned copies run both ways
     h2d_gbs: float = 46.0  # PCIe host -> GPU, GB/s, with D2H running at the same time
     d2h_gbs: float = 46.0  # PCIe GPU -> host, GB/s, with H2D running at the same time
@@ -45,12 +48,16 @@ class UpdateRates:
     @classmethod
     def from_cost_model(cls, rates) -> "UpdateRates":
         """From the planner's ``megatrain.cost_model.Rates`` (duck-typed: its field names). Its link rates are
-        one direction alone; the GPU path runs both directions at once, so the measured concurrent ratio
-        (46 of 55 GB/s on the H200) is applied."""
-        both_ways = 46.0 / 55.3
+        one direction alone; the GPU path runs both directions at once: ``link_both_ways`` of each."""
+        both_ways = rates.link_both_ways
         return cls(cpu_gps=rates.cpu_adamw_gparams, cpu_loaded_gps=rates.cpu_adamw_under_copy_gparams,
                    h2d_gbs=rates.h2d_gbps * both_ways, d2h_gbs=rates.d2h_gbps * both_ways,
                    gpu_gps=rates.gpu_adamw_gparams)
+
+    def describe(self) -> str:
+        """One line for the printed plan: "CPU 4.20 Gparam/s (2.72 under copies), link 46.0 / 46.0 GB/s (defaults)"."""
+        return (f"CPU {self.cpu_gps:.2f} Gparam/s ({self.cpu_loaded_gps:.2f} under copies), link "
+                f"{self.h2d_gbs:.1f} / {self.d2h_gbs:.1f} GB/s, {'measured here' if self.measured else 'defaults'}")
 
     def to_dict(self) -> dict:
         return dict(cpu_gps=self.cpu_gps, cpu_loaded_gps=self.cpu_loaded_gps, h2d_gbs=self.h2d_gbs,

@@ -101,3 +101,29 @@ def test_cuda_nan_skip_leaves_gpu_path_groups_untouched():
         assert torch.equal(p, engine.store.master[n]) and torch.equal(m, engine.store.m[n]), n
     engine.step(data[3])
     engine.close()
+
+
+@pytest.mark.parametrize("gpu_resident", ["0", "2"])  # pure streaming, tiered (layers 2-3 + head on the host)
+def test_cuda_plan_and_runtime_split_agree_at_the_measured_rates(gpu_resident):
+    """The update rates are measured before the plan, and the plan and the host tier use the same ones: the
+    plan's predicted GPU-path groups are the runtime's first split (the groups of the first step), or the
+    plan is "cpu" (no staging kept, one line why) and no GPU path is built. The rows carry the rates."""
+    spec = PRESETS["tiny-llama"]
+    hf = spec.to_hf_config("sdpa")
+    cfg = EngineConfig(device="cuda", seed=0, optim=OPTIM, gpu_resident=gpu_resident, update_path="hybrid",
+                       gpu_path_groups="auto", checkpoint_interval=2)
+    engine = MegaTrain.from_config(hf, cfg, verbose=False)
+    try:
+        rates = engine.update_rates
+        assert rates.measured and engine.host_tier.rates == rates
+        assert engine.memory().extra["update_rates"] == rates.to_dict()
+        if engine.placement.update_path == "hybrid":
+            planned = engine.placement.info()["predicted_gpu_path_groups"]
+            assert len(engine.host_tier.split_for(False).gpu) == planned > 0
+            engine.step(synthetic_batch(spec.vocab_size, 4, 64, 0, 0))
+            assert engine.stats["gpu_path_groups"] == planned  # clipping fires: the first split ran
+        else:
+            assert engine.host_tier.gpu is None and engine.placement.update_path_setting == "hybrid"
+            assert engine.placement.update_path_reason.startswith("hybrid asked, but the split")
+    finally:
+        engine.close()

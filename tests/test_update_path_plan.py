@@ -1,0 +1,191 @@
+"""The plan's host update path and the runtime split come from ONE set of update rates (issue 23): the step-time
+model's hybrid term is the split build_host_tier makes first (host_tier.first_split) at the same UpdateRates,
+so the plan keeps GPU staging free only where the runtime will use the GPU path; an explicit "hybrid" whose
+split takes no group is planned as "cpu" (no staging kept, one line why) and "auto" resolves to "cpu". And the
+CPU update rate the model runs at is the engine's (calibrated on the H200 rows). CPU only: rates injected."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatrain import PRESETS, MegaTrain, cost_model, memory
+from megatrain import placement as P
+from megatrain.host_tier import build_host_tier, first_split
+from megatrain.update_split import UpdateRates
+
+from test_engine_parity import assert_parity, batches
+from test_step_model_choices import _plan
+from test_update_path import hybrid_cfg
+
+GIB = 2**30
+# The CPU kernel slower than the GPU path's copies: the split gives the GPU path most groups.
+SLOW_CPU = UpdateRates(cpu_gps=1.0, cpu_loaded_gps=0.8, h2d_gbs=46.0, d2h_gbs=46.0)
+# The CPU kernel far faster than the link: no group is worth moving.
+FAST_CPU = UpdateRates(cpu_gps=100.0, cpu_loaded_gps=100.0, h2d_gbs=46.0, d2h_gbs=46.0)
+
+
+def _tiny_plan(engine, cfg, urates, *, forced=False, update_path="hybrid"):
+    """The engine's plan as it would be made on a 4 GiB GPU for this tiny model (pure streaming: all six groups
+    on the host tier), at ``urates``; and its group sizes and shape."""
+    hc = engine.config
+    numels = {g.name: g.numel for g in engine.groups}
+    shape = memory.step_shape(cfg, num_layers=engine.num_layers, hidden=hc.hidden_size, ffn=hc.intermediate_size,
+                              vocab=hc.vocab_size, tokens_per_micro_batch=64, compute_bytes=4, on_gpu=True, seq_len=16)
+    plan = P.plan(numels, shape, setting="0", on_gpu=True, gpu_free=4 * GIB, host_available=1 << 40, gpu_margin=0,
+                  host_margin=0, grads=cfg.grad_placement, rates=cost_model.Rates(update=urates),
+                  update_path=update_path, staging_reserve=GIB, gpu_path_forced=forced)
+    return plan, numels, shape
+
+
+def _runtime_split(engine, cfg, plan, urates):
+    """What build_host_tier's split chooses first (a step waiting for the norm) for ``plan``'s host tier."""
+    ht = build_host_tier(engine.host_opt, store=engine.store, cfg=cfg, streams=engine.streams,
+                         host_names=plan.host_names, grads_on_host=plan.grads == "host",
+                         staging_bytes=P.gpu_path_staging(plan, GIB), update_path="hybrid", rates=urates)
+    try:
+        return list(ht.split_for(False).gpu), ht
+    finally:
+        if ht.gpu is not None:
+            ht.gpu.close()
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(stream_dtype="bf16"), dict(grad_placement="host")])
+@pytest.mark.parametrize("urates", [SLOW_CPU, UpdateRates(), UpdateRates(cpu_gps=3.0, cpu_loaded_gps=2.0), FAST_CPU],
+                         ids=["slow_cpu", "default", "contested", "fast_cpu"])
+def test_planned_gpu_path_groups_are_the_runtime_split(urates, overrides):
+    """Same rates, same host tier, same staging: the groups the plan's hybrid term puts on the GPU path are
+    those build_host_tier's split chooses (interleaved; a bf16 shadow keeps no master, so its split differs;
+    fp32 gradients waiting on the host), none at all where the CPU is fast."""
+    spec = PRESETS["tiny-llama"]
+    cfg = hybrid_cfg(gpu_path_groups="auto", **overrides)
+    engine = MegaTrain.from_config(spec.to_hf_config("eager"), dataclasses.replace(cfg, update_path="cpu"),
+                                   verbose=False)
+    try:
+        plan, _, _ = _tiny_plan(engine, cfg, urates, forced=True)  # the hybrid plan, whatever its split
+        assert plan.update_path == "hybrid" and plan.host_names
+        parts = plan.prediction.parts
+        runtime, ht = _runtime_split(engine, cfg, plan, urates)
+        assert parts["gpu_path_groups"] == len(runtime)
+        assert parts["gpu_path_candidates"] == (len(ht.gpu.names) if ht.gpu is not None else 0)
+        assert parts["gpu_path_params"] == sum(engine.store.by_name[x].numel for x in runtime)
+        if urates is SLOW_CPU:
+            assert runtime  # the case where the plan reserves staging: the runtime uses it
+        if urates is FAST_CPU:
+            assert runtime == []
+    finally:
+        engine.close()
+
+
+def test_hybrid_whose_split_takes_no_group_is_planned_as_cpu():
+    """At rates where the split gives the GPU path nothing (the H200's 14B tiered row at a9736ef), an explicit
+    "hybrid" keeps no staging free (the GPU tier as large as with "cpu"), says why in one line, and the runtime
+    at those rates agrees; "auto" resolves to "cpu". A forced split (gpu_path_groups names) keeps "hybrid"."""
+    fast = cost_model.Rates(update=FAST_CPU)
+    cpu = _plan(fast)
+    hybrid = _plan(fast, update_path="hybrid")
+    assert hybrid.update_path == "cpu" and hybrid.update_path_setting == "hybrid"
+    assert hybrid.gpu_budget == cpu.gpu_budget and hybrid.tiers == cpu.tiers  # no staging reserved
+    line = next(x for x in hybrid.summary().splitlines() if x.strip().startswith("host update:"))
+    assert line.strip().startswith("host update: cpu (hybrid asked, but the split at the update rates (CPU 100.00")
+    assert "planned as cpu, no GPU staging kept" in line
+    assert hybrid.info()["update_path"] == "cpu" and hybrid.info()["update_path_setting"] == "hybrid"
+    auto = _plan(fast, update_path="auto")
+    assert auto.update_path == "cpu" and "(0 of" in auto.update_path_reason
+    forced = P.plan(_numels_32(), _shape_32(), setting="auto", on_gpu=True, gpu_free=10 * GIB, host_available=1 << 40,
+                    gpu_margin=0, host_margin=0, rates=fast, update_path="hybrid", staging_reserve=GIB,
+                    gpu_path_forced=True)
+    assert forced.update_path == "hybrid" and forced.gpu_budget == cpu.gpu_budget - GIB
+    # Where the split takes groups, "hybrid" keeps its staging (and may hold fewer GPU-tier layers for it).
+    slow = _plan(cost_model.Rates(update=SLOW_CPU), update_path="hybrid")
+    assert slow.update_path == "hybrid" and slow.prediction.parts["gpu_path_groups"] > 0
+    assert slow.gpu_budget == cpu.gpu_budget - GIB
+
+
+def test_no_group_case_runtime_agrees_and_the_plan_keeps_nothing_free():
+    """The zero case end to end on the tiny model: the forced hybrid plan predicts no GPU-path group, the
+    runtime split at the same rates takes none (no GPU path built), and the unforced plan is "cpu"."""
+    spec = PRESETS["tiny-llama"]
+    cfg = hybrid_cfg(gpu_path_groups="auto")
+    engine = MegaTrain.from_config(spec.to_hf_config("eager"), dataclasses.replace(cfg, update_path="cpu"),
+                                   verbose=False)
+    try:
+        forced, _, _ = _tiny_plan(engine, cfg, FAST_CPU, forced=True)
+        assert forced.prediction.parts["gpu_path_groups"] == 0
+        runtime, ht = _runtime_split(engine, cfg, forced, FAST_CPU)
+        assert runtime == [] and ht.gpu is None and ht.rates == FAST_CPU
+        plan, _, _ = _tiny_plan(engine, cfg, FAST_CPU)
+        assert plan.update_path == "cpu" and plan.gpu_budget == forced.gpu_budget + GIB
+        cpu_plan, _, _ = _tiny_plan(engine, cfg, FAST_CPU, update_path="cpu")
+        assert plan.tiers == cpu_plan.tiers and plan.gpu_budget == cpu_plan.gpu_budget
+    finally:
+        engine.close()
+
+
+def test_engine_plans_and_splits_at_the_injected_rates_and_matches_pytorch():
+    """MegaTrain(rates=Rates(update=...)): no measurement; the same UpdateRates reach the plan and the host
+    tier (a copy: the runtime's calibration never edits the caller's), the split is first_split's at them,
+    the rows report them, and training matches plain PyTorch."""
+    spec = PRESETS["tiny-llama"]
+    hf = spec.to_hf_config("eager")
+    cfg = hybrid_cfg(gpu_path_groups="auto")
+    urates = dataclasses.replace(SLOW_CPU)
+    engine = MegaTrain.from_config(hf, cfg, verbose=False, rates=cost_model.Rates(update=urates))
+    try:
+        assert engine.update_rates is urates
+        assert engine.host_tier.rates == urates and engine.host_tier.rates is not urates
+        order = [(x, engine.store.by_name[x].numel) for x in engine.placement.host_names]
+        want, candidates = first_split(order, urates, staging_bytes=float("inf"), grads_on_host=False,
+                                       stream_bytes=4, grad_bytes=4, shadow=False)
+        assert engine.host_tier.split_for(False).gpu == want.gpu and want.gpu and want.cpu
+        assert engine.host_tier.gpu.names == candidates
+        assert engine.memory().extra["update_rates"]["cpu_gps"] == SLOW_CPU.cpu_gps
+    finally:
+        engine.close()
+    stats = {}
+    assert_parity(hf, cfg, batches(spec), engine_kwargs=dict(rates=cost_model.Rates(update=urates)), stats_out=stats)
+    assert stats["gpu_path_groups"] > 0 and stats["cpu_groups"] > 0
+    assert urates == SLOW_CPU  # the caller's rates untouched by the run's calibration
+    # update_path="cpu" decides nothing: no rates; a CPU run without given rates: the cost model's defaults.
+    engine = MegaTrain.from_config(hf, hybrid_cfg(update_path="cpu"), verbose=False)
+    assert engine.update_rates is None
+    engine.close()
+    engine = MegaTrain.from_config(hf, cfg, verbose=False)
+    assert engine.update_rates == cost_model.Rates().update_rates() and not engine.update_rates.measured
+    engine.close()
+
+
+# -- the CPU update rate, calibrated on the H200 rows ------------------------------------------------------
+def _h200_point(model, batch, gpu_layers, kept_all):
+    spec = PRESETS[model]
+    numels = memory.spec_group_numels(spec)
+    from megatrain import EngineConfig
+
+    shape = memory.step_shape(EngineConfig(checkpoint_interval=1), num_layers=spec.num_layers, hidden=spec.hidden_size,
+                              ffn=spec.intermediate_size, vocab=spec.vocab_size, tokens_per_micro_batch=batch * 1024,
+                              compute_bytes=2, on_gpu=True, seq_len=1024)
+    shape = dataclasses.replace(shape, kept_blocks=tuple(range(shape.num_blocks)) if kept_all else (), grads="gpu")
+    return cost_model.predict(P.step_load(numels, P.tiers_for_layers(list(numels), gpu_layers), shape))
+
+
+@pytest.mark.parametrize("model,batch,gpu_layers,kept_all,measured_s", [
+    ("qwen2.5-14b", 16, 22, False, 4.595),  # tiered_cpu_pinned, a9736ef (cores bound: the default)
+    ("qwen2.5-3b", 16, 0, True, 1.302),  # streaming_cpu_pinned, a9736ef
+])
+def test_cpu_update_term_is_calibrated_on_the_h200_rows(model, batch, gpu_layers, kept_all, measured_s):
+    """The CPU-only prediction of the update_path rows (their plans: GPU-tier layers, kept blocks, K = 1)
+    within 5 % of the measured median step (it was 5.674 / 1.640 s at the 2.72 Gparam/s under-copy rate)."""
+    pred = _h200_point(model, batch, gpu_layers, kept_all)
+    assert pred.step_s == pytest.approx(measured_s, rel=0.05)
+
+
+def _numels_32():
+    from test_step_model_choices import _numels
+
+    return _numels()
+
+
+def _shape_32():
+    from test_step_model_choices import _shape
+
+    return _shape()
