@@ -58,6 +58,10 @@ class TokenwiseCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, chunk: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.fn, ctx.chunk = fn, chunk
+        # The backward recomputes ``fn`` under the autocast state the forward ran in (compute_dtype
+        # "bf16-autocast", megatrain/compute_policy.py): autograd runs backward outside any autocast region.
+        dev = x.device.type
+        ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         ctx.save_for_backward(x, *params)
         flat = x.reshape(-1, x.shape[-1])
         out = None
@@ -78,8 +82,9 @@ class TokenwiseCheckpoint(torch.autograd.Function):
         want = [p for p, need in zip(params, ctx.needs_input_grad[3:]) if need]
         acc = [torch.zeros_like(p, dtype=torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype)
                for p in want]
+        dev, enabled, dtype = ctx.autocast
         for s in range(0, flat.shape[0], chunk):
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
                 xc = flat[s:s + chunk].detach().requires_grad_(dx is not None)
                 y = fn(xc)
             inputs = ([xc] if dx is not None else []) + want

@@ -23,6 +23,7 @@ from torch import nn
 
 from . import arch, checkpoint, checkpoint_layout, cost_model, memory, placement
 from .boundaries import HostBuffers, make_boundaries
+from .compute_policy import make_policy
 from .config import EngineConfig
 from .cpu_adamw import HostKernel
 from .device_adamw import DeviceAdamW
@@ -102,7 +103,10 @@ class MegaTrain:
         self.dist = dist
         self.config = hf_config
         self.device = cfg.resolved_device()
-        self.dtype = cfg.resolved_compute_dtype()
+        # How layers compute (megatrain/compute_policy.py): ``dtype`` is the slots', resident buffers' and hidden
+        # states' dtype; ``policy.region()`` the autocast context (or none) of each layer and the loss head.
+        self.policy = make_policy(cfg, self.device)
+        self.dtype = self.policy.buffers
         self.streams = StreamSet(self.device)
         # The host link every weight/gradient/activation copy goes over: NULL_LINK (the real one, no-op)
         # unless host_link_gbps emulates a slower one (measured here, before the plan reads free memory).
@@ -420,12 +424,12 @@ class MegaTrain:
         masks, pos, pos_emb = ctx
         layer, mask = slot.template(self.kinds[i]), masks[self.kinds[i]]
         if not keep:
-            with torch.no_grad():
+            with torch.no_grad(), self.policy.region():
                 return arch.run_layer(layer, x, mask, pos, pos_emb, st.mlp_chunk)
         # The graph saves the weights by position in the slot (megatrain/keep.py): the slot is released after
         # this layer as usual, and the backward reads them from whichever slot holds the layer then.
         x_in = x.detach().requires_grad_(True)
-        with torch.enable_grad(), st.kept.recording(i, slot):
+        with torch.enable_grad(), st.kept.recording(i, slot), self.policy.region():
             out = arch.run_layer(layer, x_in, mask, pos, pos_emb, st.mlp_chunk)
         st.kept.graphs[(b, i)] = KeptGraph(x_in, out, slot.params[self.kinds[i]])
         return out.detach()
@@ -438,8 +442,9 @@ class MegaTrain:
         total = torch.zeros((), device=self.device)
         d_hidden = []
         for h, mb in zip(hidden, mbs):
-            loss, dh, dn, dw = chunked_lm_loss(h, mb.targets, self.final_norm, head_w, denom,
-                                               self.cfg.loss_chunk_tokens)
+            with self.policy.region():
+                loss, dh, dn, dw = chunked_lm_loss(h, mb.targets, self.final_norm, head_w, denom,
+                                                   self.cfg.loss_chunk_tokens)
             total += loss
             d_hidden.append(dh)
             st.d_norm = dn if st.d_norm is None else st.d_norm + dn
@@ -483,8 +488,9 @@ class MegaTrain:
             x = boundaries.take(b, layers[0])
             for i, slot in zip(layers, slots):
                 x_in = x.detach().requires_grad_(True)
-                x = arch.run_layer(slot.template(self.kinds[i]), x_in, masks[self.kinds[i]], pos, pos_emb,
-                                   st.mlp_chunk)
+                with self.policy.region():  # as the forward ran it: the same arithmetic
+                    x = arch.run_layer(slot.template(self.kinds[i]), x_in, masks[self.kinds[i]], pos, pos_emb,
+                                       st.mlp_chunk)
                 graphs.append(KeptGraph(x_in, x, slot.params[self.kinds[i]]))
         return graphs
 

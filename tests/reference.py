@@ -23,14 +23,16 @@ def reference_model(hf_config, state_dict):
 
 
 def reference_train(model, batches, optim, micro_batches: int, *, stream_dtype: torch.dtype | None = None,
-                    grad_norms: list | None = None):
+                    grad_norms: list | None = None, autocast: torch.dtype | None = None):
     """Returns per-step losses (mean token CE over the step) and the final state dict.
 
     ``stream_dtype`` (e.g. torch.bfloat16): mixed precision as a bf16 weight stream does it. The fp32
     weights are the master that AdamW updates; each step's forward and backward run in fp32 on a copy
     of the master rounded to ``stream_dtype`` (rounded once per step, after the previous update), and
     the gradients taken at the rounded weights update the master. ``grad_norms``: if given, each step's
-    global gradient norm (before clipping) is appended to it."""
+    global gradient norm (before clipping) is appended to it. ``autocast`` (e.g. torch.bfloat16): each
+    forward and its loss run under ``torch.autocast("cpu", autocast)`` with the fp32 weights, as HF mixed
+    precision does (and baselines/native.py on a GPU)."""
     params = list(model.parameters())
     if stream_dtype is not None:
         # The master lives apart from the model; the model's parameters hold the rounded compute copy.
@@ -57,9 +59,10 @@ def reference_train(model, batches, optim, micro_batches: int, *, stream_dtype: 
                 kwargs["attention_mask"] = batch["attention_mask"][idx]
             if batch.get("position_ids") is not None:
                 kwargs["position_ids"] = batch["position_ids"][idx]
-            logits = model(**kwargs).logits.float()
-            loss = F.cross_entropy(logits.flatten(0, 1), targets[idx].flatten(), ignore_index=IGNORE_INDEX,
-                                   reduction="sum") / denom
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                logits = model(**kwargs).logits.float()
+                loss = F.cross_entropy(logits.flatten(0, 1), targets[idx].flatten(), ignore_index=IGNORE_INDEX,
+                                       reduction="sum") / denom
             loss.backward()
             total += loss.item()
         if stream_dtype is not None:
