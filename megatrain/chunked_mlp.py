@@ -58,8 +58,8 @@ class TokenwiseCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, chunk: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.fn, ctx.chunk = fn, chunk
-        # The backward recomputes ``fn`` under the autocast state the forward ran in (compute_dtype
-        # "bf16-autocast", megatrain/compute_policy.py): autograd runs backward outside any autocast region.
+        # The backward recomputes ``fn`` under the autocast state the forward ran in (EngineConfig
+        # mixed_precision "autocast", megatrain/compute_policy.py): autograd runs backward outside autocast.
         dev = x.device.type
         ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         ctx.save_for_backward(x, *params)

@@ -8,9 +8,6 @@ from typing import Optional
 from .system import OptimConfig
 
 _DTYPES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
-# Mixed-precision modes (megatrain/compute_policy.py): weight buffers and hidden states in fp32, layers
-# under torch.autocast in the named dtype.
-AUTOCAST_MODES = ("bf16-autocast",)
 
 
 def parse_dtype(value):
@@ -32,10 +29,14 @@ class EngineConfig:
     """Knobs of the streaming engine. Defaults are the "full" system of the paper's ablation."""
 
     device: str = "auto"  # "auto" (cuda if available), "cuda", "cuda:N" or "cpu"
-    # "auto": bf16 on CUDA, fp32 on CPU; weights are cast on the GPU and each layer computes wholly in it.
-    # "bf16-autocast": HF's mixed precision (fp32 weights and residual stream, each layer and the loss head
-    # under torch.autocast(bfloat16)), the arithmetic of all-on-GPU bf16 training (docs/autocast_mode.md).
-    compute_dtype: str = "auto"
+    compute_dtype: str = "auto"  # "auto": bf16 on CUDA, fp32 on CPU (how it is applied: mixed_precision)
+    # How a bf16/fp16 compute dtype is applied (megatrain/compute_policy.py, docs/autocast_mode.md): "layer"
+    # (weights cast to it in the GPU slots, each layer computed wholly in it, hidden states in it between
+    # layers) or "autocast" (HF mixed precision, the arithmetic of all-on-GPU training under torch.autocast:
+    # fp32 slots, resident weights and hidden states; each layer and the loss head run under
+    # torch.autocast(compute dtype), which casts only matmul inputs; 2x the slot and boundary bytes). With an
+    # fp32 compute dtype both are plain fp32.
+    mixed_precision: str = "layer"
     # Weight slots on the GPU. 2 = double buffering (load layer i+1 while i computes); 1 = the
     # synchronous ablation: no prefetch at all, each load issued when compute needs it and serialised
     # after queued compute. With checkpoint interval K the pool holds K + num_slots - 1 slots, because a
@@ -194,13 +195,14 @@ class EngineConfig:
         self.gpu_path_groups = str(self.gpu_path_groups).strip()
         if not self.gpu_path_groups:
             raise ValueError("gpu_path_groups must be 'auto' or a comma list of host-tier group names")
-        if self.compute_dtype != "auto" and self.compute_dtype not in _DTYPES + AUTOCAST_MODES:
-            raise ValueError(f"compute_dtype must be 'auto' or one of {list(_DTYPES + AUTOCAST_MODES)}, got "
-                             f"{self.compute_dtype!r}")
-        if self.compute_dtype in AUTOCAST_MODES and self.stream_dtype == "bf16":
+        if self.compute_dtype != "auto" and self.compute_dtype not in _DTYPES:
+            raise ValueError(f"compute_dtype must be 'auto' or one of {list(_DTYPES)}, got {self.compute_dtype!r}")
+        if self.mixed_precision not in ("layer", "autocast"):
+            raise ValueError(f"mixed_precision must be 'layer' or 'autocast', got {self.mixed_precision!r}")
+        if self.mixed_precision == "autocast" and self.stream_dtype == "bf16":
             # The shadow would round the fp32 norm weights to bf16, which autocast keeps in fp32.
-            raise ValueError(f"compute_dtype={self.compute_dtype!r} keeps RMSNorm weights in fp32 but "
-                             f"stream_dtype='bf16' streams them rounded to bf16; use stream_dtype='fp32'")
+            raise ValueError("mixed_precision='autocast' keeps RMSNorm weights in fp32 but stream_dtype='bf16' "
+                             "streams them rounded to bf16; use stream_dtype='fp32'")
 
     def resolved_device(self):
         import torch
@@ -215,15 +217,19 @@ class EngineConfig:
         return dev
 
     def resolved_compute_dtype(self):
-        """The dtype of the GPU weight buffers (slots, resident groups), hidden states and layer gradients:
-        fp32 in an autocast mode (autocast casts matmul inputs to bf16 at each use)."""
+        """The dtype the matmuls compute in (with mixed_precision "layer", every op of a layer)."""
         import torch
 
-        if self.compute_dtype in AUTOCAST_MODES:
-            return torch.float32
         if self.compute_dtype == "auto":
             return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
         return parse_dtype(self.compute_dtype)
+
+    def resolved_buffer_dtype(self):
+        """The dtype of the GPU weight slots, resident weights, hidden states and layer gradients: the compute
+        dtype, or fp32 with mixed_precision "autocast" (autocast casts matmul inputs at each use)."""
+        import torch
+
+        return torch.float32 if self.mixed_precision == "autocast" else self.resolved_compute_dtype()
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -183,8 +183,8 @@ class HybridHostAdamW:
 
 
 def grad_bytes(cfg) -> int:
-    """Bytes per parameter of a host-tier layer gradient the CPU path pulls down (the compute dtype's)."""
-    return torch.finfo(cfg.resolved_compute_dtype()).bits // 8
+    """Bytes per parameter of a host-tier layer gradient the CPU path pulls down (the buffer dtype's)."""
+    return torch.finfo(cfg.resolved_buffer_dtype()).bits // 8
 
 
 def _clamp(value: float, measured: float) -> float:

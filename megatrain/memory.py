@@ -151,7 +151,7 @@ def plan_for_spec(spec, options=None, *, micro_batches: int = 1, tokens_per_step
         cfg = EngineConfig(micro_batches=micro_batches, **opts)
     shape = step_shape(cfg, num_layers=spec.num_layers, hidden=spec.hidden_size, ffn=spec.intermediate_size,
                        vocab=spec.vocab_size, tokens_per_micro_batch=max(1, tokens_per_step // micro_batches),
-                       compute_bytes=2, on_gpu=True,
+                       compute_bytes=4 if cfg.mixed_precision == "autocast" else 2, on_gpu=True,
                        seq_len=seq_len or min(spec.max_position_embeddings, max(1, tokens_per_step // micro_batches)))
     return placement.plan(spec_group_numels(spec), shape, setting=str(cfg.gpu_resident), on_gpu=True,
                           gpu_free=gpu_free, host_available=host_available,

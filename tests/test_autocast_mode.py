@@ -1,15 +1,15 @@
-"""compute_dtype="bf16-autocast" (megatrain/compute_policy.py, docs/autocast_mode.md) against the plain HF
-model with fp32 weights under torch.autocast("cpu", bfloat16): HF mixed precision, the arithmetic of
-all-on-GPU bf16 training (baselines/native.py).
+"""mixed_precision="autocast" with compute_dtype="bf16" (megatrain/compute_policy.py, docs/autocast_mode.md)
+against the plain HF model with fp32 weights under torch.autocast("cpu", bfloat16): HF mixed precision, the
+arithmetic of all-on-GPU bf16 training (baselines/native.py).
 
 What is exact and what is not (measured on these tiny models, CPU, torch 2.13):
 - The first step's loss and every gradient are bit-identical with one micro-batch and one loss chunk
   (loss_chunk_tokens >= tokens per micro-batch): the same ops run on the same values in the same dtypes. With
   two micro-batches the loss is a sum of two parts in another order (<= 2.4e-7 apart, fp32 rounding) and the
   gradients are again identical. The tied embedding's gradient (head + embedding parts) is summed in the
-  other order: equal to fp32 rounding (2.3e-8 relative). Loss chunks smaller than the micro-batch make only the head's weight gradient
-  differ (each chunk's bf16 matmul result is rounded before the fp32 sum: 2.3e-3 relative), so the tests use
-  one chunk, as the SFT run (3072 tokens per micro-batch, 4096-token chunks) has.
+  other order: equal to fp32 rounding (2.3e-8 relative). Loss chunks smaller than the micro-batch make only
+  the head's weight gradient differ (each chunk's bf16 matmul result is rounded before the fp32 sum: 2.3e-3
+  relative), so the tests use one chunk, as the SFT run (3072 tokens per micro-batch, 4096-token chunks) has.
 - Across steps: the engine's AdamW and the global norm differ from torch's at fp32 rounding (as in fp32
   parity); a master weight that lands within that distance of a bf16 rounding midpoint is cast to the
   neighbouring bf16 value, which moves its matmuls by a whole bf16 ulp, and training amplifies it (AdamW
@@ -42,7 +42,7 @@ FIRST_LOSS_ATOL = 1e-6  # two micro-batches: the loss's parts summed in another 
 
 
 def autocast_cfg(mb: int, **kw):
-    base = dict(checkpoint_interval=2, micro_batches=mb, compute_dtype="bf16-autocast",
+    base = dict(checkpoint_interval=2, micro_batches=mb, compute_dtype="bf16", mixed_precision="autocast",
                 attn_implementation="eager", loss_chunk_tokens=4096)
     base.update(kw)
     return engine_cfg(**base)
@@ -131,7 +131,7 @@ def test_plain_bf16_is_outside_the_autocast_tolerance():
     """The tolerances above would catch the engine's own bf16 arithmetic (whole layers in bf16)."""
     spec = PRESETS["tiny-llama"]
     hf, data = spec.to_hf_config("eager"), batches(spec, steps=STEPS)
-    init, losses, final = run_engine(hf, autocast_cfg(2, compute_dtype="bf16"), data)
+    init, losses, final = run_engine(hf, autocast_cfg(2, mixed_precision="layer"), data)
     ref_losses, ref_state = reference_train(reference_model(hf, init), data, OPTIM, 2, autocast=torch.bfloat16)
     diffs = sorted(weight_rel_diffs(final, ref_state).values())
     assert abs(losses[0] - ref_losses[0]) > 100 * FIRST_LOSS_ATOL  # measured 2.9e-4
@@ -140,6 +140,21 @@ def test_plain_bf16_is_outside_the_autocast_tolerance():
 
 def test_autocast_config_errors():
     with pytest.raises(ValueError, match="stream_dtype='bf16'"):
-        engine_cfg(compute_dtype="bf16-autocast", stream_dtype="bf16")
-    with pytest.raises(ValueError, match="bf16-autocast"):
-        engine_cfg(compute_dtype="bf16-autocst")
+        engine_cfg(compute_dtype="bf16", mixed_precision="autocast", stream_dtype="bf16")
+    with pytest.raises(ValueError, match="mixed_precision must be"):
+        engine_cfg(mixed_precision="autocst")
+
+
+def test_policy_choice():
+    """The seam: buffers fp32 and an autocast region only for autocast with a low-precision compute dtype."""
+    from megatrain.compute_policy import make_policy
+
+    cpu = torch.device("cpu")
+    auto = make_policy(engine_cfg(compute_dtype="bf16", mixed_precision="autocast"), cpu)
+    assert (auto.buffers, auto.autocast) == (torch.float32, torch.bfloat16)
+    layer = make_policy(engine_cfg(compute_dtype="bf16"), cpu)
+    assert (layer.buffers, layer.autocast) == (torch.bfloat16, None)
+    fp32 = make_policy(engine_cfg(compute_dtype="fp32", mixed_precision="autocast"), cpu)
+    assert (fp32.buffers, fp32.autocast) == (torch.float32, None)
+    with auto.region():
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
