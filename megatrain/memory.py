@@ -120,7 +120,16 @@ def step_shape(cfg, *, num_layers: int, hidden: int, ffn: int, vocab: int, token
         loss_chunk_tokens=cfg.loss_chunk_tokens, mlp_chunk_tokens=cfg.mlp_chunk_tokens,
         boundaries_on_gpu=0 if cfg.boundary_offload == "host" else None, recompute=cfg.recompute,
         schedule=cfg.micro_batch_schedule if cfg.micro_batches > 1 else "layers",
-        seq_len=seq_len, stream_bytes=2 if cfg.stream_dtype == "bf16" else 4)
+        seq_len=seq_len, stream_bytes=2 if cfg.stream_dtype == "bf16" else 4,
+        autocast_casts=_autocasts(cfg, on_gpu))
+
+
+def _autocasts(cfg, on_gpu: bool) -> bool:
+    """Does the step run under autocast (mixed_precision "autocast" with a bf16/fp16 compute dtype; "auto" is
+    bf16 on a GPU, fp32 on the CPU)?"""
+    if cfg.mixed_precision != "autocast":
+        return False
+    return on_gpu if cfg.compute_dtype == "auto" else cfg.compute_dtype not in ("fp32", "float32")
 
 
 def spec_group_numels(spec) -> dict[str, int]:

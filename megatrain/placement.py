@@ -95,6 +95,9 @@ class StepShape:
     schedule: str = "layers"  # as EngineConfig.micro_batch_schedule ("layers" with one micro-batch)
     update_path: str = "cpu"  # the host tier's update: "cpu" | "hybrid" (resolved; the step-time model's term)
     update_staging: int = 0  # bytes the plan keeps free for the GPU update path (update_path="hybrid")
+    # EngineConfig.mixed_precision == "autocast" (with a bf16/fp16 compute dtype): autograd graphs save
+    # autocast's 2-byte casts of the Linear weights, which are not views of the slots (docs/autocast_mode.md)
+    autocast_casts: bool = False
 
     @property
     def sequential(self) -> bool:
@@ -264,6 +267,11 @@ def gpu_fixed_parts(numels: dict[str, int], shape: StepShape, any_gpu_tier: bool
         "grad_accumulators": (shape.num_layers if shape.sequential else shape.block) * max_layer * 4
         if shape.micro_batches > 1 else 0,
         "update_scratch": max(numels.values()) * 4 if (any_gpu_tier and c != 4) else 0,
+        # autocast mode: the bf16 weight casts the graphs hold, a recomputed block's K layers (one micro-batch
+        # at a time) and every kept layer per held micro-batch, to their backward (the forward's transient
+        # cast of one layer fits inside the block's)
+        "autocast_casts": (shape.block + shape.kept_layers * shape.held_micro_batches) * max_layer * 2
+        if shape.autocast_casts else 0,
     }
     parts.update(activations.gpu_working_set(
         num_layers=shape.num_layers, hidden=shape.hidden, ffn=shape.ffn, vocab=shape.vocab,

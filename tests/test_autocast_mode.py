@@ -23,6 +23,8 @@ What is exact and what is not (measured on these tiny models, CPU, torch 2.13):
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,7 +34,7 @@ from megatrain.store import views
 from megatrain.system import IGNORE_INDEX
 
 from reference import reference_model, reference_train, weight_rel_diffs
-from test_engine_parity import OPTIM, batches, engine_cfg, run_engine
+from test_engine_parity import OPTIM, _mixed_tiers, batches, engine_cfg, run_engine
 
 STEPS = 3
 STEP_LOSS_ATOL = 2e-4
@@ -112,11 +114,15 @@ def test_autocast_first_step_matches_hf_autocast(preset, mb):
     # backward must re-enter the forward's autocast state, megatrain/chunked_mlp.py)
     ("tiny-llama", 2, dict(recompute="none")),
     ("tiny-qwen2", 1, dict(mlp_chunk_tokens=24)),
+    # mixed tiers: GPU-tier layers (DeviceAdamW, fp32 master copied into the fp32 slot) beside host-tier ones
+    ("tiny-llama", 2, dict(tiers="mixed")),
 ])
 def test_autocast_training_matches_hf_autocast(preset, mb, overrides):
     spec = PRESETS[preset]
     hf, data = spec.to_hf_config("eager"), batches(spec, steps=STEPS)
-    init, losses, final = run_engine(hf, autocast_cfg(mb, **overrides), data)
+    overrides = dict(overrides)
+    kwargs = dict(tiers=_mixed_tiers(hf)) if overrides.pop("tiers", None) else None
+    init, losses, final = run_engine(hf, autocast_cfg(mb, **overrides), data, kwargs)
     ref_losses, ref_state = reference_train(reference_model(hf, init), data, OPTIM, mb, autocast=torch.bfloat16)
     if hf.tie_word_embeddings:
         ref_state.pop("lm_head.weight", None)  # the embedding (the engine's state has no separate head)
@@ -158,3 +164,30 @@ def test_policy_choice():
     assert (fp32.buffers, fp32.autocast) == (torch.float32, None)
     with auto.region():
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
+
+
+def test_plan_counts_autocast_bytes():
+    """The plan's GPU parts in autocast mode: 4-byte slots and boundaries, and the bf16 weight casts the
+    graphs hold (a recomputed block's K layers, each kept layer per micro-batch)."""
+    from megatrain import memory, placement
+
+    spec = PRESETS["tiny-llama"]
+
+    def parts(mixed, kept=()):
+        cfg = engine_cfg(compute_dtype="bf16", mixed_precision=mixed, checkpoint_interval=2, micro_batches=2)
+        shape = memory.step_shape(cfg, num_layers=spec.num_layers, hidden=spec.hidden_size,
+                                  ffn=spec.intermediate_size, vocab=spec.vocab_size, tokens_per_micro_batch=64,
+                                  compute_bytes=4 if mixed == "autocast" else 2, on_gpu=True, seq_len=64)
+        shape = replace(shape, kept_blocks=tuple(kept))
+        numels = memory.spec_group_numels(spec)
+        return placement.gpu_fixed_parts(numels, shape, True, True), max(
+            n for k, n in numels.items() if k.startswith("layer."))
+
+    layer_mode, _ = parts("layer")
+    auto, layer = parts("autocast")
+    auto_kept, _ = parts("autocast", kept=(0,))
+    assert layer_mode["autocast_casts"] == 0
+    assert auto["slots"] == 2 * layer_mode["slots"]
+    assert auto["boundaries"] == 2 * layer_mode["boundaries"]
+    assert auto["autocast_casts"] == 2 * layer * 2  # K = 2 layers of bf16 casts
+    assert auto_kept["autocast_casts"] == (2 + 2 * 2) * layer * 2  # + 2 kept layers x 2 micro-batches
