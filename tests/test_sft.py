@@ -179,7 +179,8 @@ def test_accuracy_sft_sweep_on_cpu(model_dir, tmp_path):
     sweep = tmp_path / "accuracy_sft"
     points = sorted(p for p in sweep.iterdir() if p.is_dir())
     assert [p.name.split("__")[0] + "/" + p.name.split("__")[-2] for p in points] == [
-        "megatrain/default", "megatrain/fp32", "megatrain/pure_streaming", "native/default", "native/fp32",
+        "megatrain/autocast", "megatrain/default", "megatrain/fp32", "megatrain/pure_streaming", "native/default",
+        "native/fp32",
         "native/rerun", "native/rerun_ulp"]
     runs = {}
     for p in points:
@@ -193,7 +194,8 @@ def test_accuracy_sft_sweep_on_cpu(model_dir, tmp_path):
     rerun_rows, rerun_steps = runs["native/rerun"]  # the same run again (on the CPU: bit for bit)
     assert [r["loss"] for r in rerun_steps] == [r["loss"] for r in ref_steps]
     assert [r["eval_loss"] for r in rerun_rows[:-1]] == [r["eval_loss"] for r in ref_rows[:-1]]
-    for name in ("megatrain/default", "megatrain/fp32", "megatrain/pure_streaming"):
+    # autocast: on the CPU the compute dtype is fp32, so mixed_precision=autocast is plain fp32 there
+    for name in ("megatrain/default", "megatrain/fp32", "megatrain/pure_streaming", "megatrain/autocast"):
         rows, steps = runs[name]
         assert rows[0]["eval_loss"] == ref_rows[0]["eval_loss"]  # same weights in, same evaluation
         for a, b in zip(steps, ref_steps):
@@ -208,9 +210,9 @@ def test_accuracy_sft_sweep_on_cpu(model_dir, tmp_path):
     assert (tmp_path / "cache" / "gguf").is_dir()  # converted once into the cache
 
 
-def test_accuracy_sft_sweep_expands_to_its_eight_points(tmp_path):
+def test_accuracy_sft_sweep_expands_to_its_nine_points(tmp_path):
     """Same data and optimizer for every point; the rerun (all-on-GPU again, nothing changed) and the fp32
-    pair are points of their own; pure streaming only for MegaTrain; a bad variant dtype and a missing GGUF
+    pair are points of their own; pure streaming and autocast (mixed_precision) only for MegaTrain; a bad variant dtype and a missing GGUF
     are refused before anything runs, the latter with the way to get it."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -232,8 +234,11 @@ def test_accuracy_sft_sweep_expands_to_its_eight_points(tmp_path):
     assert [(j.system, j.variant, j.dtype) for j in jobs] == [
         ("native", "default", "auto"), ("megatrain", "default", "auto"), ("zero3", "default", "auto"),
         ("native", "rerun", "auto"), ("native", "rerun_ulp", "auto"), ("native", "fp32", "fp32"),
-        ("megatrain", "fp32", "fp32"), ("megatrain", "pure_streaming", "auto")]
+        ("megatrain", "fp32", "fp32"), ("megatrain", "pure_streaming", "auto"), ("megatrain", "autocast", "auto")]
     assert jobs[7].options.gpu_resident == "0" and jobs[1].options.gpu_resident == "auto"
+    # autocast changes the engine's mixed precision only
+    assert jobs[8].options.mixed_precision == "autocast" and jobs[1].options.mixed_precision == "layer"
+    assert dataclasses.replace(jobs[8].options, mixed_precision="layer") == jobs[1].options
     assert jobs[6].options.compute_dtype != jobs[1].options.compute_dtype
     # fp32 changes the compute dtype only
     assert dataclasses.replace(jobs[6].options, compute_dtype=jobs[1].options.compute_dtype) == jobs[1].options
