@@ -174,7 +174,7 @@ class MegaTrain:
                                          update_path=self.placement.update_path, rates=self.update_rates)
         # host_update_cores (default auto): after the rate measurement (before the plan), which runs the kernel
         # from this thread, so that its OpenMP team is not created inside the main thread's narrowed mask.
-        self.host_opt.bind_cores(cfg.host_update_cores, cuda=on_gpu and not dist)
+        self.host_opt.bind_cores(cfg.host_update_cores, cuda=on_gpu, ranks=getattr(dist, "world_size", 2) if dist else 1)
         if verbose and self.placement.update_path != "cpu":
             print(f"[megatrain] {self.host_tier.summary()}", flush=True)
         self.optimizer = Optimizers([self.device_opt, self.host_tier], cfg.optim, cfg.speculate)

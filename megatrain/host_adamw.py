@@ -79,7 +79,7 @@ class HostAdamW:
         self._thread = threading.Thread(target=self._worker, name="megatrain-host-adamw", daemon=True)
         self._thread.start()
 
-    def bind_cores(self, setting: str, cuda: bool) -> None:
+    def bind_cores(self, setting: str, cuda: bool, ranks: int = 1) -> None:
         """Bind the worker (and the OpenMP teams it starts) and the calling (main) thread to disjoint cores,
         per ``setting`` (EngineConfig.host_update_cores, see ``update_cores``); the kernel then runs one
         thread per worker core. Call before the first update; ``close`` gives the main thread its mask back."""
@@ -89,7 +89,7 @@ class HostAdamW:
             warnings.warn(f"host_update_cores={setting!r}: this OS cannot bind threads to cores; not bound",
                           RuntimeWarning, stacklevel=2)
             return
-        cores = update_cores(setting, cuda, os.sched_getaffinity(0))
+        cores = update_cores(setting, cuda, os.sched_getaffinity(0), ranks)
         if cores is not None:
             self.bind(*cores)
 
@@ -284,15 +284,16 @@ class HostAdamW:
         st.refresh_shadow(name, lo, hi)
 
 
-def update_cores(setting: str, cuda: bool, allowed: set[int]) -> tuple[list[int], list[int]] | None:
+def update_cores(setting: str, cuda: bool, allowed: set[int], ranks: int = 1) -> tuple[list[int], list[int]] | None:
     """EngineConfig.host_update_cores -> (cores for the update worker and its OpenMP teams, cores left to the
     main thread), from the cores this process may use (``allowed``), or None (no binding).
 
     "none": no binding. "all-but-N": the main thread gets the N lowest-numbered allowed cores, the worker the
-    rest. "auto": "all-but-1" on a GPU run (the main thread keeps the GPU fed while the worker updates); none
-    on a CPU run (the main thread computes there: it needs every core). Fewer than N + 1 cores: no binding."""
+    rest. "auto": "all-but-1" on a one-process GPU run (the main thread keeps the GPU fed while the worker
+    updates); none on a CPU run (the main thread computes there: it needs every core) and none with several
+    ranks (``ranks`` > 1: their main threads would share the lowest core). Fewer than N + 1 cores: no binding."""
     setting = str(setting).strip().lower()
-    if setting == "none" or (setting == "auto" and not cuda):
+    if setting == "none" or (setting == "auto" and (not cuda or ranks > 1)):
         return None
     n = 1 if setting == "auto" else parse_all_but(setting)
     cores = sorted(allowed)

@@ -35,6 +35,10 @@ def merge(src: Path, dst: Path, replace: bool = False) -> int:
     clash = [p.name for p in points if (dst / p.name).exists()]
     if clash and not replace:
         raise SystemExit(f"point folders already in {dst}: {', '.join(clash)} (--replace keeps the newer)")
+    # --replace removes only what the runner wrote: a point folder (it holds job.json or result.json)
+    foreign = [c for c in clash if not any((dst / c / f).is_file() for f in ("job.json", "result.json"))]
+    if foreign:
+        raise SystemExit(f"{dst}: {', '.join(foreign)} not a point folder (no job.json / result.json): not replaced")
     dst.mkdir(parents=True, exist_ok=True)
     if (dst / "results.csv").exists():
         upgrade_csv(dst / "results.csv")

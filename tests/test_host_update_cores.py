@@ -33,6 +33,8 @@ def test_update_cores_setting():
     assert update_cores("none", True, cores) is None
     assert update_cores("auto", False, cores) is None  # CPU run: the main thread computes, it needs every core
     assert update_cores("auto", True, cores) == (list(range(1, 16)), [0])
+    assert update_cores("auto", True, cores, ranks=2) is None  # several ranks: their main threads would share core 0
+    assert update_cores("all-but-1", True, cores, ranks=2) == (list(range(1, 16)), [0])  # explicit: as asked
     assert update_cores("all-but-2", False, {3, 5, 7, 9}) == ([7, 9], [3, 5])  # the cores this process may use
     with pytest.warns(RuntimeWarning, match="not bound"):
         assert update_cores("all-but-4", True, {0, 1, 2, 3}) is None

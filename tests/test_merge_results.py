@@ -42,3 +42,12 @@ def test_merge_refuses_another_machine_and_empty_runs(tmp_path):
     (tmp_path / "empty").mkdir()
     assert main([str(tmp_path / "empty"), str(dst)]) == 2
     assert len(schema.read_records(dst / "results.csv")) == 1
+
+
+def test_replace_removes_only_point_folders(tmp_path):
+    dst = _sweep(tmp_path / "dst", {"a": 1.0})
+    (dst / "b").mkdir()
+    (dst / "b" / "notes.txt").write_text("a user's file")
+    assert main([str(_sweep(tmp_path / "src", {"b": 2.0})), str(dst), "--replace"]) == 2
+    assert (dst / "b" / "notes.txt").read_text() == "a user's file"
+    assert len(schema.read_records(dst / "results.csv")) == 1
