@@ -16,6 +16,13 @@ A run: ``{"system", "variant", "label", "status", "dtype", "evals": [{"step", "e
   else ``agree within run-to-run spread`` when its largest gap is no larger than the reference's against
   itself (and its accuracy gap within 1 point or the spread's); else ``disagree``. Both numbers are always
   stated. A system that is not exact AdamW (``NOT_EXACT``) gets no verdict, only where it lands.
+* **Arithmetic** (``run["arithmetic"]``, a key of ``ARITHMETIC``, from the row's fields:
+  ``analysis.sft_report.run_arithmetic``): how the run computed at its dtype. It does not change the rule;
+  it says what a gap can come from. A bf16 run whose arithmetic is the reference's own (MegaTrain with
+  ``mixed_precision=autocast`` against all-on-GPU under autocast) computes the same function, so its expected
+  gap is 0 up to GPU nondeterminism and rounding-size kernel differences amplified by training: it is held
+  against the issue's target and against the reruns' spread like every exact run, and both outcomes are
+  stated (``target``, ``within_spread``). The fp32 points put every system in one arithmetic.
 """
 from __future__ import annotations
 
@@ -27,6 +34,16 @@ LOSS_TOL, ACC_TOL = 0.01, 0.01  # nats; accuracy as a fraction (1 point)
 NOT_EXACT = frozenset({"zenflow", "superoffload_noclip"})  # other update rules: where they land, no verdict
 AGREE, WITHIN_SPREAD, DISAGREE = "agree", "agree within run-to-run spread", "disagree"
 FAILED, INCOMPLETE = "failed", "not comparable"  # no row / evaluations or step count unlike the reference's
+# How a run computed at its dtype (what ``run["arithmetic"]`` may say), for the report's legend.
+ARITHMETIC = {
+    "fp32": "fp32 throughout: weights, activations, residual stream and matmuls",
+    "autocast": "HF's mixed precision: fp32 weights, residual stream, norms and embedding, matmuls in bf16 under "
+                "torch.autocast (all-on-GPU; MegaTrain with mixed_precision=autocast)",
+    "bf16 layers": "each layer wholly in bf16: weights cast to bf16 on the GPU, bf16 residual stream (MegaTrain's "
+                   "default, mixed_precision=layer)",
+    "bf16 model": "DeepSpeed bf16: bf16 parameters (fp32 master partitions), every layer and the residual stream "
+                  "in bf16",
+}
 
 
 def is_repeat(run: dict) -> bool:
@@ -74,27 +91,55 @@ def compare(run: dict, base: dict) -> dict:
             "steps": len(run.get("steps") or []), "ref_steps": len(base.get("steps") or [])}
 
 
+def comparable(cmp: dict) -> bool:
+    """Same evaluations, same step count, a finite gap and both accuracies: the two runs can be judged."""
+    return not (cmp["max_loss_dev"] is None or cmp["missing_steps"] or cmp["acc_dev"] is None
+                or cmp["steps"] != cmp["ref_steps"] or not math.isfinite(cmp["max_loss_dev"]))
+
+
+def meets_target(cmp: dict) -> bool | None:
+    """The issue's absolute target: held-out loss within ``LOSS_TOL`` nats at every evaluation and final exact
+    match within ``ACC_TOL`` (None: not comparable)."""
+    if not comparable(cmp):
+        return None
+    return cmp["max_loss_dev"] <= LOSS_TOL and abs(cmp["acc_dev"]) <= ACC_TOL + 1e-12
+
+
+def within_spread(cmp: dict, spread: dict | None) -> bool | None:
+    """No farther from the reference than all-on-GPU from itself (loss), its accuracy gap within 1 point or
+    the spread's (None: not comparable, or no spread measured at this dtype)."""
+    if not comparable(cmp) or spread is None or spread.get("max_loss_dev") is None or spread.get("acc_dev") is None:
+        return None
+    return (cmp["max_loss_dev"] <= spread["max_loss_dev"]
+            and abs(cmp["acc_dev"]) <= max(ACC_TOL, abs(spread["acc_dev"])) + 1e-12)
+
+
 def judge(cmp: dict, spread: dict | None, status: str = "ok") -> str:
     """The verdict of one exact run from its comparison and its dtype's spread (None: not measured)."""
     if status != "ok":
         return FAILED
-    if cmp["max_loss_dev"] is None or cmp["missing_steps"] or cmp["acc_dev"] is None \
-            or cmp["steps"] != cmp["ref_steps"] or not math.isfinite(cmp["max_loss_dev"]):
+    if not comparable(cmp):
         return INCOMPLETE
-    gap, dacc = cmp["max_loss_dev"], abs(cmp["acc_dev"])
-    if gap <= LOSS_TOL and dacc <= ACC_TOL + 1e-12:
+    if meets_target(cmp):
         return AGREE
-    if spread is not None and spread.get("max_loss_dev") is not None and spread.get("acc_dev") is not None:
-        if gap <= spread["max_loss_dev"] and dacc <= max(ACC_TOL, abs(spread["acc_dev"])) + 1e-12:
-            return WITHIN_SPREAD
+    if within_spread(cmp, spread):
+        return WITHIN_SPREAD
     return DISAGREE
+
+
+def same_arithmetic(run: dict, base: dict) -> bool | None:
+    """Whether ``run`` computed as its reference did (None: either run does not say)."""
+    a, b = run.get("arithmetic"), base.get("arithmetic")
+    return (a == b) if (a and b) else None
 
 
 def agreement(runs: list[dict]) -> dict:
     """Every run judged against the reference of its dtype.
 
     Returns ``{"verdict", "refs": {dtype: label}, "spread": {dtype: comparison of the repeat}, "runs":
-    {label: comparison + "dtype", "role" (reference / spread / exact / not exact), "verdict"}}``; the
+    {label: comparison + "dtype", "role" (reference / spread / exact / not exact), "verdict", and for the
+    judged runs "arithmetic", "same_arithmetic" (as the reference's), "target" (the issue's 0.01 nats / 1
+    point met), "within_spread" (no farther than all-on-GPU from itself; None: not measured)}}``; the
     overall verdict is over the exact runs: ``agree`` if all agree, ``agree within run-to-run spread`` if
     all agree or are within it, else ``disagree`` (``no reference`` without an all-on-GPU run)."""
     refs = references(runs)
@@ -124,15 +169,21 @@ def agreement(runs: list[dict]) -> dict:
             out[run["label"]] = {"dtype": run["dtype"], "role": "exact", "verdict": "no reference",
                                  "max_loss_dev": None, "at_step": None, "acc_dev": None}
             continue
-        cmp = compare(run, base)
+        cmp = dict(compare(run, base), arithmetic=run.get("arithmetic") or "",
+                   same_arithmetic=same_arithmetic(run, base))
         if run["system"] in NOT_EXACT:
-            out[run["label"]] = dict(cmp, dtype=run["dtype"], role="not exact", verdict="not exact AdamW")
+            out[run["label"]] = dict(cmp, dtype=run["dtype"], role="not exact", verdict="not exact AdamW",
+                                     target=None, within_spread=None)
         else:
+            sp = spread.get(run["dtype"])
+            ok = run["status"] == "ok"
             out[run["label"]] = dict(cmp, dtype=run["dtype"], role="exact",
-                                     verdict=judge(cmp, spread.get(run["dtype"]), run["status"]))
+                                     verdict=judge(cmp, sp, run["status"]),
+                                     target=meets_target(cmp) if ok else None,
+                                     within_spread=within_spread(cmp, sp) if ok else None)
     for dtype, base in refs.items():
         out[base["label"]] = {"dtype": dtype, "role": "reference", "verdict": "reference", "max_loss_dev": None,
-                              "at_step": None, "acc_dev": None}
+                              "at_step": None, "acc_dev": None, "arithmetic": base.get("arithmetic") or ""}
     # Overall, over the exact runs that ran: a failed one is named, not counted as agreeing or disagreeing.
     judged = [v["verdict"] for v in out.values() if v["role"] == "exact" and v["verdict"] != FAILED]
     failed = [label for label, v in out.items() if v["role"] == "exact" and v["verdict"] == FAILED]
@@ -154,10 +205,23 @@ def _tiny(x) -> str:  # first-step differences: fp32 ones are ~1e-6, bf16 ones ~
     return "n/a" if x is None else f"{x:.1e}"
 
 
+def arithmetic_name(dtype: str, arithmetic: str) -> str:
+    """``bf16 autocast``, ``bf16 layers``, ``fp32``: the dtype and the arithmetic in one name."""
+    if not arithmetic:
+        return dtype
+    return arithmetic if arithmetic.startswith(dtype) else f"{dtype} {arithmetic}"
+
+
+def _yes(x, yes: str, no: str, unknown: str) -> str:
+    return unknown if x is None else (yes if x else no)
+
+
 def explain(result: dict, runs: list[dict]) -> list[str]:
-    """One sentence per exact run: its gap (nats, at which step; accuracy points) beside all-on-GPU's own
-    spread at that dtype (or that none was measured), and its verdict; then what the fp32 pair says of
-    the bf16 gap when the sweep ran both."""
+    """One sentence per exact run: its dtype and arithmetic, its gap (nats, at which step; accuracy points),
+    whether that meets the issue's target, beside all-on-GPU's own spread at that dtype (or that none was
+    measured) and whether it is within it, and its verdict; then what bf16 alone does to all-on-GPU, what
+    the fp32 points say of each system's bf16 gap, and what all-on-GPU's own arithmetic (autocast) does to it,
+    where the sweep ran those."""
     lines = []
     for run in runs:
         v = result["runs"].get(run["label"])
@@ -168,15 +232,24 @@ def explain(result: dict, runs: list[dict]) -> list[str]:
                          f"{': ' + run.get('error', '')[:120] if run.get('error') else ''} → not judged.")
             continue
         sp = result["spread"].get(v["dtype"])
+        how = arithmetic_name(v["dtype"], v.get("arithmetic") or "")
+        if v.get("same_arithmetic") and v["dtype"] != "fp32":
+            how += ": all-on-GPU's own arithmetic, expected gap 0 up to GPU nondeterminism"
         gap = f"max |Δ held-out loss| {_nats(v['max_loss_dev'])} nats" + (
             f" (step {v['at_step']})" if v.get("at_step") is not None else "")
         acc = "" if v.get("acc_dev") is None else f", Δ exact match {100 * v['acc_dev']:+.1f} points"
+        target = ""
+        if v["role"] == "exact":
+            target = "; issue target (≤ {} nats, ≤ 1 point) {}".format(
+                LOSS_TOL, _yes(v.get("target"), "met", "missed", "not comparable"))
         if sp is None:
             against = f"all-on-GPU vs itself not measured at {v['dtype']}"
         else:
             against = (f"all-on-GPU vs all-on-GPU {_nats(sp['max_loss_dev'])} nats (step {sp['at_step']}, "
                        f"{sp['label']}), {100 * sp['acc_dev']:+.1f} points")
-        lines.append(f"- {run['label']} ({v['dtype']}): {gap}{acc}; {against} → **{v['verdict']}**.")
+            if v["role"] == "exact":
+                against += _yes(v.get("within_spread"), ": within it", ": beyond it", "")
+        lines.append(f"- {run['label']} ({how}): {gap}{acc}{target}; {against} → **{v['verdict']}**.")
     # What bf16 itself does to all-on-GPU (a yardstick for the bf16 gaps above)
     refs = {r["dtype"]: r for r in runs if result["refs"].get(r["dtype"]) == r["label"]}
     if "bf16" in refs and "fp32" in refs:
@@ -184,25 +257,53 @@ def explain(result: dict, runs: list[dict]) -> list[str]:
         lines.append(f"- All-on-GPU bf16 vs all-on-GPU fp32 (what bf16 alone does to the reference): max |Δ held-out "
                      f"loss| {_nats(c['max_loss_dev'])} nats (step {c['at_step']}), first step "
                      f"{_tiny(c['step0_loss_dev'])}.")
-    # The same system at both dtypes: did one arithmetic (fp32) close the gap that bf16 showed?
-    by = {}
+    # The same system (and tier) in several arithmetics: its own bf16 one, fp32, all-on-GPU's (autocast).
+    by: dict[tuple, dict[str, tuple[str, dict]]] = {}
     for run in runs:
         v = result["runs"].get(run["label"])
-        if v and v["role"] == "exact":
-            by.setdefault((run["system"], run.get("tier", "")), {})[v["dtype"]] = (run["label"], v)
+        if v and v["role"] == "exact" and v["verdict"] != FAILED:
+            kind = "fp32" if v["dtype"] == "fp32" else ("ref" if v.get("same_arithmetic") else "own")
+            if v["dtype"] in ("fp32", "bf16"):  # the first of a kind (collect's order: variant default first)
+                by.setdefault((run["system"], run.get("tier", "")), {}).setdefault(kind, (run["label"], v))
     for d in by.values():
-        if "bf16" in d and "fp32" in d:
-            (lb, vb), (lf, vf) = d["bf16"], d["fp32"]
+        if "own" not in d:
+            continue
+        lb, vb = d["own"]
+        own = f"{_nats(vb['max_loss_dev'])}; first step {_tiny(vb['step0_loss_dev'])}"
+        if "fp32" in d:
+            lf, vf = d["fp32"]
             if vf["verdict"] == AGREE and vb["verdict"] != AGREE:
                 lines.append(f"- With one arithmetic (fp32) {lf} stays within {LOSS_TOL} nats of all-on-GPU "
                              f"({_nats(vf['max_loss_dev'])}; first step {_tiny(vf['step0_loss_dev'])}), where in "
-                             f"bf16 it does not ({_nats(vb['max_loss_dev'])}; first step "
-                             f"{_tiny(vb['step0_loss_dev'])}): the bf16 gap comes from bf16 arithmetic, not from "
-                             f"the engine's schedule or update.")
+                             f"bf16 it does not ({own}): the bf16 gap comes from bf16 arithmetic, not from "
+                             f"the system's schedule or update.")
             elif vf["verdict"] != AGREE:
                 lines.append(f"- With one arithmetic (fp32) {lf} is still {_nats(vf['max_loss_dev'])} nats from "
-                             f"all-on-GPU (first step {_tiny(vf['step0_loss_dev'])}; bf16: {_nats(vb['max_loss_dev'])},"
-                             f" first step {_tiny(vb['step0_loss_dev'])}): the gap is not bf16's alone"
+                             f"all-on-GPU (first step {_tiny(vf['step0_loss_dev'])}; bf16: {own}): the gap is "
+                             f"not bf16's alone"
                              + (" but within all-on-GPU's own fp32 spread." if vf["verdict"] == WITHIN_SPREAD
                                 else "."))
+        if "ref" in d:
+            la, va = d["ref"]
+            head = (f"- With all-on-GPU's own bf16 arithmetic ({va.get('arithmetic')}) {la} is "
+                    f"{_nats(va['max_loss_dev'])} nats from all-on-GPU (first step {_tiny(va['step0_loss_dev'])}; "
+                    f"→ {va['verdict']}), with its own ({vb.get('arithmetic') or 'bf16'}) {own} "
+                    f"(→ {vb['verdict']})")
+            if va["verdict"] in (AGREE, WITHIN_SPREAD) and vb["verdict"] not in (AGREE, WITHIN_SPREAD):
+                lines.append(head + ": in bf16 the gap was the choice of arithmetic, not the system's schedule "
+                                    "or update.")
+            elif va["verdict"] not in (AGREE, WITHIN_SPREAD):
+                lines.append(head + ": the same arithmetic does not close the gap, so it is not the arithmetic "
+                                    "alone.")
+            else:
+                lines.append(head + ".")
     return lines
+
+
+def by_arithmetic(result: dict) -> dict[tuple[str, str], list[tuple[str, str]]]:
+    """``{(dtype, arithmetic): [(label, verdict), ...]}`` of the judged runs, in the result's order."""
+    out: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for label, v in result["runs"].items():
+        if v["role"] in ("exact", "not exact"):
+            out.setdefault((v["dtype"], v.get("arithmetic") or ""), []).append((label, v["verdict"]))
+    return out

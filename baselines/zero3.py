@@ -29,6 +29,11 @@ DeepSpeed derives from the bf16 parameters, are then set to the exact fp32 check
 (``safe_set_full_fp32_param``), so the masters start where every other system starts. Rotary
 ``inv_freq`` buffers, which ``zero.Init`` creates in bf16, are rebuilt in fp32.
 
+``dtype=torch.float32`` (the run's ``dtype: fp32``, e.g. the ``accuracy_sft`` sweep's ``fp32`` point) is
+DeepSpeed without mixed precision, on the GPU too: ``"bf16": {"enabled": false}``, fp32 parameters under
+``zero.Init``, fp32 compute; the fp32 partitions are the loaded checkpoint values themselves
+(``tests/test_baselines_zero3.py::test_zero3_fp32_dtype_wins_over_the_bf16_path``).
+
 CPU (CI parity) path: DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``, auto-detected on a machine
 without CUDA) with gloo, fp32, and ``torch.optim.AdamW`` as the client optimizer (``cpu_adam`` is
 bit-for-bit the same kernel as on the GPU node but takes ~45 s to JIT-compile; ``options["optimizer"]=

@@ -66,6 +66,33 @@ def test_zero3_bf16_path_exact_masters_and_fp32_rope(init_dirs, native_runs):
     assert first.loss == pytest.approx(ref, rel=BF16_RTOL)
 
 
+def test_zero3_fp32_dtype_wins_over_the_bf16_path(init_dirs, native_runs):
+    """dtype=fp32 (the accuracy_sft sweep's ``fp32`` point) runs DeepSpeed without bf16 even where the bf16
+    path would be taken (``cpu_bf16`` stands in for CUDA here): bf16 disabled in the config, fp32 parameters
+    under zero.Init, masters exactly the checkpoint, and the first step's loss equals native fp32's."""
+    from baselines import build_system
+
+    preset = "tiny-llama"
+    init = load_file(str(init_dirs[preset] / "model.safetensors"))
+    system = build_system("zero3", init_dir=init_dirs[preset], optim=OPTIM, micro_batches=2, device="cpu",
+                          dtype=torch.float32, options={"cpu_bf16": True, "attn_implementation": "eager",
+                                                        "loss_chunk_tokens": 24})
+    try:
+        cfg = system.info["ds_config"]
+        assert cfg["bf16"] == {"enabled": False} and cfg["fp16"] == {"enabled": False}
+        assert system.info["compute_dtype"] == "float32" and not system.info["exact_fp32_master"]
+        assert {p.dtype for p in system.module.parameters()} == {torch.float32}
+        masters = system.state_dict()
+        for name, value in init.items():
+            assert torch.equal(masters[name], value), f"{name}: fp32 master is not the checkpoint value"
+        first = system.step(batches(preset, 1)[0])
+    finally:
+        system.close()
+    ref = native_runs[preset][0][0]
+    assert first.loss == pytest.approx(ref.loss, rel=1e-6)  # bf16 compute would be ~1e-3 off (BF16_RTOL)
+    assert first.grad_norm == pytest.approx(ref.grad_norm, rel=1e-4)
+
+
 def test_ds_config_tuned_defaults_and_hf_auto():
     from baselines.zero3 import TUNED_ZERO, make_ds_config, settings_of
 

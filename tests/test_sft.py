@@ -210,10 +210,11 @@ def test_accuracy_sft_sweep_on_cpu(model_dir, tmp_path):
     assert (tmp_path / "cache" / "gguf").is_dir()  # converted once into the cache
 
 
-def test_accuracy_sft_sweep_expands_to_its_nine_points(tmp_path):
+def test_accuracy_sft_sweep_expands_to_its_ten_points(tmp_path):
     """Same data and optimizer for every point; the rerun (all-on-GPU again, nothing changed) and the fp32
-    pair are points of their own; pure streaming and autocast (mixed_precision) only for MegaTrain; a bad variant dtype and a missing GGUF
-    are refused before anything runs, the latter with the way to get it."""
+    points (all-on-GPU, MegaTrain, ZeRO-3) are points of their own, run variant by variant; pure streaming and
+    autocast (mixed_precision) only for MegaTrain; a bad variant dtype and a missing GGUF are refused before
+    anything runs, the latter with the way to get it."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -234,11 +235,14 @@ def test_accuracy_sft_sweep_expands_to_its_nine_points(tmp_path):
     assert [(j.system, j.variant, j.dtype) for j in jobs] == [
         ("native", "default", "auto"), ("megatrain", "default", "auto"), ("zero3", "default", "auto"),
         ("native", "rerun", "auto"), ("native", "rerun_ulp", "auto"), ("native", "fp32", "fp32"),
-        ("megatrain", "fp32", "fp32"), ("megatrain", "pure_streaming", "auto"), ("megatrain", "autocast", "auto")]
-    assert jobs[7].options.gpu_resident == "0" and jobs[1].options.gpu_resident == "auto"
+        ("megatrain", "fp32", "fp32"), ("zero3", "fp32", "fp32"), ("megatrain", "pure_streaming", "auto"),
+        ("megatrain", "autocast", "auto")]
+    assert jobs[8].options.gpu_resident == "0" and jobs[1].options.gpu_resident == "auto"
     # autocast changes the engine's mixed precision only
-    assert jobs[8].options.mixed_precision == "autocast" and jobs[1].options.mixed_precision == "layer"
-    assert dataclasses.replace(jobs[8].options, mixed_precision="layer") == jobs[1].options
+    assert jobs[9].options.mixed_precision == "autocast" and jobs[1].options.mixed_precision == "layer"
+    assert dataclasses.replace(jobs[9].options, mixed_precision="layer") == jobs[1].options
+    # ZeRO-3 in fp32: the point's dtype only (the DeepSpeed options are the default point's)
+    assert jobs[7].options == jobs[2].options and jobs[7].optim == jobs[2].optim
     assert jobs[6].options.compute_dtype != jobs[1].options.compute_dtype
     # fp32 changes the compute dtype only
     assert dataclasses.replace(jobs[6].options, compute_dtype=jobs[1].options.compute_dtype) == jobs[1].options
