@@ -18,7 +18,7 @@ from . import update_split
 from .store import ModelStore
 from .streamed_update import GIB, MIN_CHUNK_ELEMS, StreamedAdamW, rotating_bytes, staging_chunk
 from .streams import StreamSet
-from .update_split import Split, UpdateRates, forced_split, measure_rates, plan_split
+from .update_split import Split, SplitChooser, UpdateRates, forced_split, measure_rates, plan_split
 
 
 class HybridHostAdamW:
@@ -26,20 +26,28 @@ class HybridHostAdamW:
     (``gpu``, a StreamedAdamW) sharing the host-tier groups per ``splits`` ({speculating: Split})."""
 
     def __init__(self, cpu, gpu: StreamedAdamW | None = None, splits: dict[bool, Split] | None = None,
-                 rates: UpdateRates | None = None, replan=None, choose_prefetch=None):
+                 rates: UpdateRates | None = None, replan=None, choose_prefetch=None, evaluate=None):
         """``replan(backward_s, prefetched)``: both splits ({speculating: Split}) for a measured backward time
         (a speculative CPU path's head start) and the prefetched groups; until a backward is observed,
-        ``splits``. ``choose_prefetch(backward_s)``: the groups to prefetch (gpu_path_prefetch), decided
-        once, after the first step."""
+        ``splits``. For a step that waits for the norm, replan's split is only a proposal: a ``SplitChooser``
+        decides from measured step times (``observe_step``). ``evaluate(gpu_names, prefetched)``: the model's
+        Split for those GPU-path groups at the current rates (predictions and calibration of splits that
+        ran). ``choose_prefetch(backward_s)``: the groups to prefetch (gpu_path_prefetch), decided once,
+        after the first step."""
         self.cpu, self.gpu = cpu, gpu
         self.names = list(cpu.names)
         self.splits = dict(splits or {})
         self.rates = rates
-        self._replan, self._choose_prefetch = replan, choose_prefetch
+        self._replan, self._choose_prefetch, self._evaluate = replan, choose_prefetch, evaluate
+        # The after-norm split is decided from measured step times once it can change (gpu_path_groups="auto").
+        self.chooser = SplitChooser(self.names) if gpu is not None and replan is not None else None
+        self.steps_observed = 0  # engine steps seen by observe_step (the metrics' step index + 1)
+        self._split_now = Split([], self.names)  # the split this step routes with
         self._base_rates = dataclasses.replace(rates) if rates is not None else None  # as measured at build
         self.prefetched: list[str] | None = None  # decided after the first step (None: not yet / not asked)
         # Online calibration (``observe_step``): parameters each path updated per finished step, newest last.
-        self._params: list[tuple[int, int, bool]] = []  # (CPU params, GPU-path params, speculated)
+        # (CPU params, GPU-path params, speculated or skipped, the Split routed)
+        self._params: list[tuple[int, int, bool, Split]] = []
         self._step_params = [0, 0]
         self.calibrated = 0  # steps whose measured busy times corrected the rates
         self.backward_s: float | None = None  # running estimate of the backward's time (observe_step)
@@ -73,7 +81,12 @@ class HybridHostAdamW:
     def observe_step(self, stats: dict) -> None:
         """After a step: its backward time sets how long a speculative CPU path runs before the norm (and,
         once, how much state to prefetch), and the busy times of the update that ran during it (the previous
-        step's, after its norm) correct the rates; both splits are then planned again."""
+        step's, after its norm) correct the rates; both splits are then planned again. The after-norm split
+        is then the chooser's (``SplitChooser``: measured step times decide), and its decision goes into
+        ``stats`` (the engine's per-step phases): ``split_measured_gpu_groups`` (GPU-path groups of the update
+        this step's time measured, the previous step's; absent when not comparable), ``split_decision`` (an
+        ``update_split`` decision code) and ``split_next_gpu_groups`` (what the next such step routes)."""
+        self.steps_observed += 1
         bwd = stats.get("backward_s")
         if self.gpu is None or bwd is None or not math.isfinite(bwd):
             return
@@ -84,24 +97,63 @@ class HybridHostAdamW:
         if self._replan is None:
             return
         self._calibrate(stats)
-        self.splits.update(self._replan(self.backward_s, frozenset(self.prefetched or ())))
+        prefetched = frozenset(self.prefetched or ())
+        planned = self._replan(self.backward_s, prefetched)
+        if self.chooser is not None:
+            planned[False] = self._choose(stats, planned[False], prefetched)
+        self.splits.update(planned)
+
+    def _choose(self, stats: dict, proposal: Split, prefetched: frozenset) -> Split:
+        """The next after-norm split: this step's time measured the update routed in the step before (it ran
+        during this step's forward); the chooser weighs it against the other splits measured so far."""
+        comparable = len(self._params) >= 2 and not self._params[-2][2]
+        if comparable:  # the update measured here ran after its norm and was not skipped
+            measured = self._params[-2][3]
+            # This step's own speculation would put its CPU path in its time: then the trial is dropped.
+            self.chooser.record(measured.key, None if self._params[-1][2] else stats.get("step_s"))
+            if not self._params[-1][2]:
+                stats["split_measured_gpu_groups"] = float(len(measured.gpu))
+
+        def predict(split: Split) -> float:  # at the current, calibrated rates
+            if self._evaluate is None:
+                return split.predicted_s
+            return self._evaluate(split.gpu, prefetched & frozenset(split.gpu)).predicted_s
+
+        current = self.splits.get(False) or Split([], self.names)
+        chosen = self.chooser.choose(self.steps_observed - 1, current, proposal, predict)
+        stats["split_decision"] = float(self.chooser.last_decision)
+        stats["split_next_gpu_groups"] = float(len(chosen.gpu))
+        return chosen
 
     def _calibrate(self, stats: dict) -> None:
-        """Rates from this run: the CPU path's parameters over its worker's busy time, the GPU path's bytes
-        over its busy time, for an update that ran after the norm beside a whole step (neither that step nor
-        this one speculated or was skipped); averaged, and kept within 4x of the measured ones."""
+        """Rates from this run, for an update that ran after the norm beside a whole step (neither that step
+        nor this one speculated or was skipped); averaged, and kept within 4x of the measured ones:
+
+        * the CPU path's parameters over its worker's busy time: the rate under the GPU path's copies when
+          the split had GPU-path groups, the rate alone when it had none;
+        * the link rates scaled by the model's GPU-path span for that split over the measured one
+          (``gpu_path_busy_s``, first upload to last download). That span is a wall time on a link shared
+          with the next forward's loads and the CPU path's gradients, which the model schedules too; it is
+          not the GPU path's bytes over a link rate. (Until this, 12 B/param over the span was taken as the
+          link rate: on the H200, 14B, 11 groups, 3.03B params in 1.754 s gave 20.7 GB/s against the 42.5
+          measured at build, the model then put every group on the CPU, and the step got 9 % slower.)"""
         if self.rates is None or len(self._params) < 2 or self._params[0][2] or self._params[1][2]:
             return
-        cpu_params, gpu_params, _ = self._params[0]  # the update this step's busy times measured
+        cpu_params, gpu_params, _, split = self._params[0]  # the update this step's busy times measured
         cpu_busy, gpu_busy = stats.get("host_update_busy_s", 0.0), stats.get("gpu_path_busy_s", 0.0)
         r, base = self.rates, self._base_rates
         if cpu_params and cpu_busy > 0:
             seen = cpu_params / cpu_busy / 1e9
-            r.cpu_loaded_gps = _clamp(0.5 * (r.cpu_loaded_gps + seen), base.cpu_loaded_gps)
-        if gpu_params and gpu_busy > 0:
-            seen = update_split.STATE_BYTES * gpu_params / gpu_busy / 1e9  # each way, pipelined
-            r.h2d_gbs = _clamp(0.5 * (r.h2d_gbs + seen), base.h2d_gbs)
-            r.d2h_gbs = _clamp(0.5 * (r.d2h_gbs + seen), base.d2h_gbs)
+            if gpu_params:
+                r.cpu_loaded_gps = _clamp(0.5 * (r.cpu_loaded_gps + seen), base.cpu_loaded_gps)
+            else:
+                r.cpu_gps = _clamp(0.5 * (r.cpu_gps + seen), base.cpu_gps)
+        if gpu_params and gpu_busy > 0 and self._evaluate is not None:
+            predicted = self._evaluate(split.gpu, frozenset(self.prefetched or ()) & frozenset(split.gpu))
+            if predicted.predicted_gpu_path_s > 0:
+                scale = predicted.predicted_gpu_path_s / gpu_busy  # > 1: the path ran faster than modelled
+                r.h2d_gbs = _clamp(0.5 * r.h2d_gbs * (1 + scale), base.h2d_gbs)
+                r.d2h_gbs = _clamp(0.5 * r.d2h_gbs * (1 + scale), base.d2h_gbs)
         self.calibrated += 1
 
     def split_for(self, speculate: bool) -> Split:
@@ -110,7 +162,7 @@ class HybridHostAdamW:
     # -- GroupOptimizer -------------------------------------------------------------------------------
     def begin_step(self, step: int, speculate: bool) -> None:
         split = self.split_for(speculate) if self.gpu is not None else Split([], list(self.names))
-        self._gpu_set = set(split.gpu)
+        self._gpu_set, self._split_now = set(split.gpu), split
         self._step_params, self._speculating = [0, 0], speculate
         self.cpu.begin_step(step, speculate)  # the CPU path speculates on its own groups only
         if self.gpu is not None:
@@ -135,7 +187,10 @@ class HybridHostAdamW:
         self.cpu.finish(step, coef)
         if coef is not None:  # a skipped step changed nothing: each group's last path stays as it was
             self._last_gpu = set(self._gpu_set)
-        self._params = (self._params + [(*self._step_params, self._speculating or coef is None)])[-2:]
+        comparable = not (self._speculating or coef is None)
+        self._params = (self._params + [(*self._step_params, not comparable, self._split_now)])[-2:]
+        if comparable and self.chooser is not None:
+            self.chooser.ran(self._split_now)  # its step time arrives with the next step's
 
     def wait_group(self, name: str):
         if name in self._last_gpu:
@@ -177,6 +232,8 @@ class HybridHostAdamW:
                          + (f", predicted {sp.predicted_s:.3f} s vs CPU only {sp.predicted_cpu_only_s:.3f} s"
                             if sp.predicted_cpu_only_s else "") + (f" ({sp.reason})" if sp.reason else ""))
         rates = f"; rates {self.rates.to_dict()}" if self.rates is not None else ""
+        if self.chooser is not None:
+            rates += f"; runtime split: {self.chooser.describe()}"
         pre = "" if self.prefetched is None else f", {len(self.prefetched)} prefetched during the backward"
         return (f"host update: CPU kernel + GPU path (staging {self.gpu.staging_bytes / GIB:.2f} GiB, "
                 f"{len(self.gpu.kept)} kept masters{pre}); " + "; ".join(parts) + rates)
@@ -247,7 +304,7 @@ def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host
         raise ValueError(f"update_path='hybrid': {staging_bytes / GIB:.2f} GiB of GPU staging is less than the GPU "
                          f"path needs ({rotating_bytes(MIN_CHUNK_ELEMS, grads_on_host) / GIB:.2f} GiB): raise "
                          f"update_staging_gib")
-    replan, choose = None, None
+    replan, choose, evaluate = None, None, None
     order = [(x, numels[x]) for x in host_names]
     c = 4 if store.shadow is None else 2
     if cfg.gpu_path_groups != "auto":
@@ -277,6 +334,9 @@ def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host
             candidates = list(host_names)  # any group may be prefetched (its m, v are pinned for it)
         eligible = frozenset(candidates)  # pinned and (maybe) kept for the path: replanning stays within them
 
+        def evaluate(gpu_names, prefetched: frozenset) -> Split:
+            return plan_split(order, rates, prefetched=prefetched, assign=frozenset(gpu_names), **kw)
+
         def replan(backward_s: float, prefetched: frozenset) -> dict:
             return {False: plan_split(order, rates, prefetched=prefetched, eligible=eligible, **kw),
                     True: plan_split(order, rates, speculative=True, backward_s=backward_s, max_gpu_groups=longest,
@@ -291,4 +351,4 @@ def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host
         return HybridHostAdamW(cpu_opt, None, splits, rates)
     gpu = StreamedAdamW(store, cfg.optim, candidates, streams, chunk=chunk, kept_budget=kept_budget,
                         pin=streams.cuda and cfg.pin_memory, prefetch=cfg.gpu_path_prefetch)
-    return HybridHostAdamW(cpu_opt, gpu, splits, rates, replan, choose)
+    return HybridHostAdamW(cpu_opt, gpu, splits, rates, replan, choose, evaluate)

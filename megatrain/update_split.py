@@ -25,6 +25,8 @@ reserves GPU staging only where the runtime will use the GPU path.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -73,6 +75,14 @@ class Split:
     predicted_s: float = 0.0  # predicted time from the global norm until both paths are done
     predicted_cpu_only_s: float = 0.0  # the same with every group on the CPU path
     reason: str = ""
+    # The model's time from the norm until the GPU path's last download (its busy span, which the runtime
+    # measures as gpu_path_busy_s; 0: no GPU-path group, or not modelled): what calibration compares.
+    predicted_gpu_path_s: float = 0.0
+
+    @property
+    def key(self) -> tuple[str, ...]:
+        """The split's identity for measurements: its GPU-path groups (the rest is the CPU path)."""
+        return tuple(self.gpu)
 
 
 def _cpu_finish_s(params: float, head_s: float, gpu_s: float, rates: UpdateRates) -> float:
@@ -93,7 +103,8 @@ def _cpu_only_s(numels: list[tuple[str, int]], rates: UpdateRates, head_start_s:
 def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative: bool = False,
                backward_s: float = 0.0, stream_bytes: int = 4, grad_bytes: int = 2, grad_up_bytes: int = 0,
                gpu_load_bytes: int = 0, max_numel: int | None = None, max_gpu_groups: int | None = None,
-               prefetched: frozenset = frozenset(), eligible: frozenset | None = None) -> Split:
+               prefetched: frozenset = frozenset(), eligible: frozenset | None = None,
+               assign: frozenset | None = None) -> Split:
     """Split ``numels`` ((group, numel) in the next forward's order) between the CPU and GPU update paths.
 
     ``stream_bytes``: per-param bytes the forward loads for a CPU-path group (4 fp32 master, 2 bf16 shadow);
@@ -104,7 +115,11 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
     not fit the staging buffers and stay on the CPU path. ``max_gpu_groups``: a cap on the GPU path's size.
     ``prefetched``: groups whose state went up during the backward (``prefetch_set``): on the GPU path, only
     their download (12 B/param D2H) is left after the norm.
-    ``speculative``: the CPU path started ``backward_s`` earlier (see module doc)."""
+    ``speculative``: the CPU path started ``backward_s`` earlier (see module doc).
+    ``assign``: evaluate this fixed set of GPU-path groups (after the norm only) instead of choosing: the
+    same list schedule, so a split that ran and a new proposal are predicted at the same rates."""
+    if assign is not None and speculative:
+        raise ValueError("plan_split(assign=...) evaluates a split after the norm only")
     cpu_loaded = rates.cpu_loaded_gps * GB
     h2d, d2h, gpu_rate = rates.h2d_gbs * GB, rates.d2h_gbs * GB, rates.gpu_gps * GB
     pre = [x for x, _ in numels if x in prefetched]
@@ -113,17 +128,19 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
         rest = plan_split([(x, n) for x, n in numels if x not in prefetched], rates, speculative=speculative,
                           backward_s=backward_s, stream_bytes=stream_bytes, grad_bytes=grad_bytes,
                           grad_up_bytes=grad_up_bytes, gpu_load_bytes=gpu_load_bytes, max_numel=max_numel,
-                          max_gpu_groups=max_gpu_groups, eligible=eligible)
+                          max_gpu_groups=max_gpu_groups, eligible=eligible,
+                          assign=None if assign is None else assign - prefetched)
         gpu = [x for x, _ in numels if x in prefetched or x in set(rest.gpu)]
         return Split(gpu, rest.cpu, max(rest.predicted_s, pre_d2h), _cpu_only_s(numels, rates, backward_s if speculative else 0.0),
-                     f"{len(pre)} prefetched during the backward; " + rest.reason)
+                     f"{len(pre)} prefetched during the backward; " + rest.reason,
+                     predicted_gpu_path_s=max(rest.predicted_gpu_path_s, pre_d2h))
     def allowed(x: str, n: int) -> bool:
         return (max_numel is None or n <= max_numel) and (eligible is None or x in eligible)
 
     can = [(x, n) for x, n in numels if allowed(x, n)]
     head = backward_s if speculative else 0.0
     only = _cpu_only_s(numels, rates, head)
-    if not can or max_gpu_groups == 0:
+    if (not can or max_gpu_groups == 0) and not assign:
         return Split([], [x for x, _ in numels], only, only, "no group fits the staging buffers")
     up_b, down_b = STATE_BYTES + grad_up_bytes + gpu_load_bytes, STATE_BYTES  # (the load shares the H2D link)
 
@@ -153,18 +170,18 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
         return best
 
     # After the norm: list scheduling in forward order over the CPU and the two link directions.
-    t_cpu = t_h2d = t_d2h = 0.0
+    t_cpu = t_h2d = t_d2h = gpu_end = 0.0
     gpu, cpu, gpu_numels = [], [], []
     for x, n in numels:
         fits = allowed(x, n) and (max_gpu_groups is None or len(gpu) < max_gpu_groups)
         cpu_done = t_cpu + n / cpu_loaded
         # Ready for the forward once up and updated (its master stays on the GPU for the forward's cast).
-        gpu_done = t_h2d + up_b * n / h2d + n / gpu_rate if fits else float("inf")
-        if gpu_done < cpu_done:
+        gpu_done = t_h2d + up_b * n / h2d + n / gpu_rate if fits or assign else float("inf")
+        if (x in assign) if assign is not None else gpu_done < cpu_done:
             gpu.append(x)
             gpu_numels.append(n)
             t_h2d += up_b * n / h2d
-            t_d2h = max(t_d2h, gpu_done) + down_b * n / d2h
+            t_d2h = gpu_end = max(t_d2h, gpu_done) + down_b * n / d2h
         else:
             cpu.append(x)
             t_cpu = cpu_done
@@ -173,10 +190,14 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
     if not gpu:
         return Split([], cpu, only, only, "after the norm: the CPU path is faster for every group")
     t = max(t_cpu, t_h2d, t_d2h)
+    if assign is not None:
+        return Split(gpu, cpu, t, only, f"after the norm: {len(gpu)} of {len(numels)} groups on the GPU (given)",
+                     predicted_gpu_path_s=gpu_end)
     if t >= only:  # never plan a split the model predicts slower than the CPU path alone
         return Split([], [x for x, _ in numels], only, only,
                      f"after the norm: CPU only (the split would take {t:.3f} s)")
-    return Split(gpu, cpu, t, only, f"after the norm: list scheduling, {len(gpu)} of {len(numels)} groups on the GPU")
+    return Split(gpu, cpu, t, only, f"after the norm: list scheduling, {len(gpu)} of {len(numels)} groups on the GPU",
+                 predicted_gpu_path_s=gpu_end)
 
 
 def prefetch_set(numels: list[tuple[str, int]], rates: UpdateRates, *, backward_s: float, load_bytes: int,
@@ -203,6 +224,122 @@ def forced_split(names: list[str], gpu_names: list[str]) -> Split:
                          f"(host tier: {', '.join(names) or 'nothing'})")
     chosen = set(gpu_names)
     return Split([x for x in names if x in chosen], [x for x in names if x not in chosen], reason="forced")
+
+
+# Why the runtime split is what it is (``SplitChooser``; also a number in each step's phases, ``split_decision``).
+KEEP_FASTEST, KEEP_MEASURING, TRY_CPU_ONLY, TRY_PROPOSAL, SWITCH_FASTER, KEEP_WITHIN_MARGIN = range(6)
+DECISIONS = {KEEP_FASTEST: "kept: measured fastest", KEEP_MEASURING: "kept: nothing measured yet",
+             TRY_CPU_ONLY: "measuring the CPU path alone once", TRY_PROPOSAL: "trying the model's proposal once",
+             SWITCH_FASTER: "switched: measured faster", KEEP_WITHIN_MARGIN: "kept: the fastest is within the margin"}
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return 0.5 * (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2])
+
+
+@dataclass
+class SplitChooser:
+    """The split a step that waits for the norm uses, decided from measured step times, not from the model
+    alone (the model proposes; measurements decide).
+
+    ``record(split, step_s)`` after each step whose time measures one update (the update of the step before,
+    which runs during this one's forward: its waits for the CPU path and its loads behind the GPU path's
+    copies are in this step's time); ``choose(current, proposal, predict)`` then gives the next step's split.
+    The rules, in order (each chosen split carries its rule in ``reason``; ``history`` keeps the changes):
+
+    1. Nothing measured yet: keep the current split.
+    2. While no split that ran is still waiting for its measurement (one trial at a time):
+       a. the CPU path alone, once, if it was never measured (the model may be wrong about either path);
+       b. the model's proposal (planned at rates calibrated on the splits that ran), once, when it differs from
+          every measured split and the model, at those same rates, predicts it faster than the fastest
+          measured split by more than ``margin`` of that split's step time (at most ``trials`` of them).
+    3. Otherwise the fastest measured split (median of its last ``window`` times), but the current one stays
+       while it is within ``margin`` of that (hysteresis: noise does not move the split back and forth).
+
+    So the step is never kept on a split slower than one measured faster, and each trial costs at most one
+    step. (Found on the H200, 14B 16x1024, clipping firing: the rates re-fitted from the GPU path's busy time
+    moved all 11 GPU-path groups back to the CPU kernel and the step went from 4.73 to 5.16 s.)"""
+
+    names: list[str]
+    margin: float = 0.02  # of a step's time: the 14B H200 gap was 8 %, step-to-step noise ~1 %
+    window: int = 3
+    trials: int = 3  # model proposals tried at most (the CPU-only trial is not counted)
+    measured: dict = field(default_factory=dict)  # split key -> step times measured with it
+    splits: dict = field(default_factory=dict)  # split key -> the Split
+    pending: list = field(default_factory=list)  # keys of splits that ran, in order, whose time is not in yet
+    history: list = field(default_factory=list)  # (step, GPU-path groups, decision, reason) when the split changed
+    last_decision: int = KEEP_MEASURING
+
+    def cpu_only(self) -> Split:
+        return Split([], list(self.names), reason="CPU path alone")
+
+    def ran(self, split: Split) -> None:
+        """``split`` was routed in a step: its time arrives with the next step's (``record``)."""
+        self.splits.setdefault(split.key, split)
+        self.pending.append(split.key)
+
+    def record(self, key: tuple, step_s: float | None) -> None:
+        """The step time that measured the update routed with ``key`` (None: not comparable, e.g. a speculative
+        or skipped step: the trial is dropped, not counted)."""
+        if key in self.pending:
+            self.pending.remove(key)
+        if step_s is not None and math.isfinite(step_s) and step_s > 0:
+            self.measured.setdefault(key, []).append(step_s)
+
+    def time(self, key: tuple) -> float:
+        return _median(self.measured[key][-self.window:])
+
+    def choose(self, step: int, current: Split, proposal: Split, predict) -> Split:
+        """The next step's split. ``predict(split)``: the model's update time of a split at the current
+        (calibrated) rates."""
+        self.splits.setdefault(proposal.key, proposal)
+        decision, chosen, why = self._decide(current, proposal, predict)
+        self.last_decision = decision
+        chosen = dataclasses.replace(chosen, reason=f"{DECISIONS[decision]}: {why}")
+        if chosen.key != current.key:
+            self.history.append((step, len(chosen.gpu), decision, why))
+        return chosen
+
+    def _decide(self, current: Split, proposal: Split, predict) -> tuple[int, Split, str]:
+        if not self.measured:
+            # (1) Nothing to compare yet: the first update's time arrives with the step after it.
+            return KEEP_MEASURING, current, "no step time measured yet"
+        unmeasured_pending = [k for k in self.pending if k not in self.measured]
+        best = min(self.measured, key=self.time)
+        if not unmeasured_pending:
+            cpu = self.cpu_only()
+            if cpu.key not in self.measured and current.key != cpu.key:
+                # (2a) The CPU path alone is always a candidate: measure it once rather than trust the model.
+                return TRY_CPU_ONLY, cpu, (f"{len(self.splits[best].gpu)} GPU-path groups measured "
+                                           f"{self.time(best):.3f} s a step")
+            gain = predict(self.splits[best]) - predict(proposal)
+            if (proposal.key not in self.measured and self.trials > 0
+                    and gain > self.margin * self.time(best)):
+                # (2b) The model, calibrated on what ran, predicts a clear gain over the fastest measured split.
+                self.trials -= 1
+                return TRY_PROPOSAL, proposal, (f"{len(proposal.gpu)} GPU-path groups predicted {gain:.3f} s "
+                                                f"faster than {len(self.splits[best].gpu)} measured "
+                                                f"{self.time(best):.3f} s")
+        t_best = self.time(best)
+        if best == current.key:
+            return KEEP_FASTEST, current, f"{len(current.gpu)} GPU-path groups, {t_best:.3f} s a step"
+        if current.key in self.measured and t_best >= self.time(current.key) * (1 - self.margin):
+            # (3) Within the margin of the fastest: stay (a switch costs nothing, but chasing noise would).
+            return KEEP_WITHIN_MARGIN, current, (f"{len(current.gpu)} GPU-path groups {self.time(current.key):.3f} "
+                                                 f"s vs {len(self.splits[best].gpu)} {t_best:.3f} s")
+        # (3) The fastest measured split (also when the current one was a trial whose time is not in yet).
+        was = f"{self.time(current.key):.3f} s" if current.key in self.measured else "not measured yet"
+        return SWITCH_FASTER, self.splits[best], (f"{len(self.splits[best].gpu)} GPU-path groups "
+                                                  f"{t_best:.3f} s vs {len(current.gpu)} {was}")
+
+    def describe(self) -> str:
+        """The measured splits and the changes, for the summary line."""
+        times = ", ".join(f"{len(k)} GPU-path groups {self.time(k):.3f} s ({len(v)} steps)"
+                          for k, v in self.measured.items())
+        changes = "; ".join(f"after step {s}: {g} GPU-path groups ({DECISIONS[d]}: {why})"
+                            for s, g, d, why in self.history)
+        return f"measured step times: {times or 'none yet'}; changes: {changes or 'none'}"
 
 
 def measure_rates(device, kernel, numel: int = 1 << 26, copy_bytes: int = 256 << 20) -> UpdateRates:

@@ -284,20 +284,30 @@ def test_prefetch_set_is_a_suffix_bounded_by_spare_link_and_memory():
 
 
 def test_rates_calibrate_from_busy_times_after_the_norm_only():
-    """The rates move halfway to what the run measured (CPU params over the worker's busy time, GPU-path bytes
-    over its busy time), within 4x of the build's; never from speculative or skipped steps."""
+    """The rates move halfway to what the run measured, within 4x of the build's; never from speculative or
+    skipped steps: the CPU params over the worker's busy time (the rate under copies with GPU-path groups, the
+    rate alone without), the link rates by the model's GPU-path span for the split that ran over the
+    measured one (not the GPU path's bytes over that span: the link carried the forward's loads too)."""
     spec = PRESETS["tiny-llama"]
     engine = MegaTrain.from_config(spec.to_hf_config("eager"), hybrid_cfg(gpu_path_groups="auto"), verbose=False)
     ht = engine.host_tier
     base = dataclasses.replace(ht.rates)
-    ht._params = [(2 * 10**9, 10**9, False), (2 * 10**9, 10**9, False)]
-    ht._calibrate({"host_update_busy_s": 1.0, "gpu_path_busy_s": 12 / 30})  # 2 Gparam/s, 30 GB/s each way
+    split = ht.split_for(False)
+    assert split.gpu and split.predicted_gpu_path_s > 0
+    span = ht._evaluate(split.gpu, frozenset()).predicted_gpu_path_s
+    ht._params = [(2 * 10**9, 10**9, False, split), (2 * 10**9, 10**9, False, split)]
+    ht._calibrate({"host_update_busy_s": 1.0, "gpu_path_busy_s": span / 2})  # 2 Gparam/s, twice as fast
     assert ht.rates.cpu_loaded_gps == pytest.approx((base.cpu_loaded_gps + 2.0) / 2)
-    assert ht.rates.h2d_gbs == pytest.approx((base.h2d_gbs + 30.0) / 2) and ht.calibrated == 1
+    assert ht.rates.h2d_gbs == pytest.approx(base.h2d_gbs * 1.5) and ht.calibrated == 1
+    assert ht.rates.d2h_gbs == pytest.approx(base.d2h_gbs * 1.5) and ht.rates.cpu_gps == base.cpu_gps
     ht._calibrate({"host_update_busy_s": 1e-9, "gpu_path_busy_s": 0.0})  # absurdly fast: clamped
     assert ht.rates.cpu_loaded_gps == pytest.approx(4 * base.cpu_loaded_gps)
+    cpu_only = forced_split(split.gpu + split.cpu, [])
+    ht._params = [(3 * 10**9, 0, False, cpu_only)] * 2  # CPU path alone: its rate without the copies
+    ht._calibrate({"host_update_busy_s": 1.0})
+    assert ht.rates.cpu_gps == pytest.approx((base.cpu_gps + 3.0) / 2)
     before = dataclasses.replace(ht.rates)
-    ht._params = [(10**9, 0, True), (10**9, 0, False)]  # a speculative update: its busy time is not comparable
+    ht._params = [(10**9, 0, True, cpu_only), (10**9, 0, False, cpu_only)]  # a speculative update: not comparable
     ht._calibrate({"host_update_busy_s": 5.0})
     assert ht.rates == before
     engine.close()
