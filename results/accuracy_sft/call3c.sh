@@ -15,5 +15,5 @@ say "accuracy_sft"
 python3 -m experiments.run sweep=accuracy_sft 'only=[native__*__default__*,megatrain__*__autocast__*,native__*__rerun_ulp__*,zero3__*__fp32__*]' results_dir=/tmp/r3 time_budget_s=$(( 320 - ($(date +%s) - t0) )) >> $OUT/call3.log 2>&1; say "runner exit $?"
 left=$(( 555 - ($(date +%s) - t0) ))
 say "baselines2026 (first rows), budget $left s"
-python3 -m experiments.run sweep=baselines2026 'only=[superoffload__qwen2.5-3b__*__b16__default__*,superoffload_noclip__qwen2.5-3b__*__b16__default__*,zenflow__qwen2.5-1.5b__*__b16__default__*,native__qwen2.5-1.5b__*__b16__default__*,megatrain__qwen2.5-1.5b__*__b16__default__*]' results_dir=/tmp/r3 time_budget_s=$left timeout_s=150 >> $OUT/call3.log 2>&1; say "runner exit $?"
+python3 -m experiments.run sweep=baselines2026 'sweep.models=[qwen2.5-1.5b,qwen2.5-3b]' 'only=[superoffload__qwen2.5-3b__*__b16__default__*,superoffload_noclip__qwen2.5-3b__*__b16__default__*,zenflow__qwen2.5-1.5b__*__b16__default__*,native__qwen2.5-1.5b__*__b16__default__*,megatrain__qwen2.5-1.5b__*__b16__default__*]' results_dir=/tmp/r3 time_budget_s=$left timeout_s=150 >> $OUT/call3.log 2>&1; say "runner exit $?"
 tar czf $OUT/r3.tgz -C /tmp r3; say done
