@@ -211,7 +211,9 @@ class StreamedAdamW:
         for name in [x for x in self.names if x in grads]:  # the order the next forward needs them
             flat, ready = grads.pop(name)
             if name in prefetched:
-                self._update_prefetched(name, flat, ready, prefetched[name], lr, scale)
+                # its download event ends the step's busy span too (a step whose GPU-path groups were all
+                # prefetched had no span at all: gpu_path_busy_s read 0, test_update_path_gpu's prefetch cases)
+                done = self._update_prefetched(name, flat, ready, prefetched[name], lr, scale)
                 continue
             n, kept = st.by_name[name].numel, self.kept.get(name)
             st.steps[name].add_(1)  # host count (checkpoints read it); the kernel wants it on the device
@@ -272,8 +274,9 @@ class StreamedAdamW:
         if cuda and done is not None:
             self._spans.append((start, done))
 
-    def _update_prefetched(self, name: str, flat, ready, uploaded, lr: float, scale) -> None:
-        """Update a group whose state is already on the GPU (``full``), then download it on its own stream."""
+    def _update_prefetched(self, name: str, flat, ready, uploaded, lr: float, scale):
+        """Update a group whose state is already on the GPU (``full``), then download it on its own stream;
+        returns the download's event."""
         s, st, buf = self.streams, self.store, self.full[name]
         n = st.by_name[name].numel
         p, m, v = buf[:n], buf[n:2 * n], buf[2 * n:]
@@ -302,11 +305,12 @@ class StreamedAdamW:
             if shadow is not None:
                 s.keep_alive(shadow, self.down_full)
                 st.shadow[name].copy_(shadow, non_blocking=True)
-            done = s.record(self.down_full)
+            done = s.record(self.down_full, timing=self.streams.cuda)  # may end the busy span
         self._down[name], self._updated[name] = done, updated
         if name in self.kept:
             self._fresh.add(name)
         self.updates += 1
+        return done
 
     def wait_group(self, name: str):
         """The event a load of ``name`` must wait for: its update when it reads the kept master
