@@ -189,6 +189,24 @@ def _ratio_cell(a, b, metric: str) -> str:
     return text if over is not None else text + " (no spread)"
 
 
+SECTION = "§"  # a system that is not exact AdamW, compared by its mean step (registry: exact_adamw, compare_by)
+
+
+def _as_compared(r: pd.Series, metric: str) -> pd.Series:
+    """The row as its system is compared: by the mean step time where its record says so (the metric,
+    computed on the median step, scaled by median / mean; the range is left out: it spans the waits)."""
+    rec = record(r["system"])
+    if rec.compare_by != "mean" or r["status"] != "ok":
+        return r
+    med, mean = pd.to_numeric(r.get("step_time_median_s"), errors="coerce"), pd.to_numeric(
+        r.get("step_time_mean_s"), errors="coerce")
+    out = r.copy()
+    if pd.notna(med) and pd.notna(mean) and mean > 0 and pd.notna(r[metric]):
+        out[metric] = float(r[metric]) * float(med) / float(mean)
+    out["step_time_min_s"] = out["step_time_max_s"] = float("nan")  # no spread: the range spans the waits
+    return out
+
+
 def _sweep_table(sweep: str, df: pd.DataFrame) -> list[str]:
     """Systems (· variant) as rows, the sweep's axis (or its setups) as columns; the MegaTrain ÷ ZeRO-3
     row where both ran; in a sweep with a "full" variant every other variant's difference to it."""
@@ -216,7 +234,9 @@ def _sweep_table(sweep: str, df: pd.DataFrame) -> list[str]:
         line = [rk]
         for ck in order_cols:
             m = df[(df["_r"] == rk) & (df["_c"] == ck)]
-            cell = _cell(m.iloc[-1], metric, spread=cpu) if not m.empty else ""
+            cell = _cell(_as_compared(m.iloc[-1], metric), metric, spread=cpu) if not m.empty else ""
+            if not m.empty and not record(m.iloc[-1]["system"]).exact_adamw and m.iloc[-1]["status"] == "ok":
+                cell += SECTION
             fv = full[full["_c"] == ck]
             if not m.empty and m.iloc[-1]["status"] == "ok" and m.iloc[-1]["variant"] not in ("full", "default") \
                     and len(fv) and fv[metric].iloc[-1] > 0:
@@ -243,6 +263,9 @@ def _sweep_table(sweep: str, df: pd.DataFrame) -> list[str]:
               (" Percentages: difference to the full system." if not full.empty else "") +
               (f" {DAGGER} = not at steady state (step times still falling: see 'Rows not at steady state')."
                if df.get("steady_note", pd.Series(dtype=str)).astype(bool).any() else "") +
+              (f" {SECTION} = not exact AdamW (bounded staleness; settings in the row), by its mean step time "
+               "(its periodic waits for deferred CPU work fall outside the median)."
+               if any(not record(s).exact_adamw for s in df["system"]) else "") +
               (" Measured on a CPU: tokens/s, not TFLOPS." if cpu else "") +
               (" Hardware columns marked with an emulated profile run on the H200 with a capped GPU memory."
                if sweep == "hardware" else ""), ""]

@@ -418,3 +418,21 @@ def test_ablation_groups_go_by_model_size_and_name_their_placement(tmp_path):
     assert [lab.split()[0] for lab in labels] == ["m-3b", "m-7b", "m-14b"], labels
     assert "·" not in labels[0], labels
     assert labels[1].endswith("· pure streaming") and labels[2].endswith("· tiered"), labels
+
+
+def test_a_system_that_is_not_exact_adamw_is_marked_and_compared_by_its_mean_step():
+    """ZenFlow (registry: exact_adamw=False, compare_by="mean") waits for its CPU side every update_interval
+    steps: its cell is the TFLOPS of its mean step, marked §, with the legend; exact systems keep the median."""
+    rows = schema.read_results(SAMPLE / "baselines" / "results.csv")
+    rows = rows[rows["system"].isin(["megatrain", "native"])].copy()
+    zf = rows[rows["system"] == "megatrain"].copy()
+    zf["system"], zf["point"] = "zenflow", zf["point"].str.replace("megatrain", "zenflow")
+    zf["tflops"], zf["step_time_median_s"], zf["step_time_mean_s"] = 100.0, 1.0, 1.25
+    rows = pd.concat([rows, zf], ignore_index=True)
+    lines = report._sweep_table("baselines2026", rows)
+    zline = [l for l in lines if l.startswith("| ZenFlow |")][0]
+    assert zline.split("|")[2].strip() == "80.0§"  # 100 x 1.0 / 1.25, not the median's 100
+    mline = [l for l in lines if l.startswith("| MegaTrain |")][0]
+    assert "§" not in mline
+    assert any("§ = not exact AdamW" in l for l in lines)
+    assert not any("§ = not exact AdamW" in l for l in report._sweep_table("baselines", rows[rows["system"] != "zenflow"]))
