@@ -70,7 +70,9 @@ class EngineConfig:
     gpu_margin_gib: float = 6.0
     # Host AdamW of a layer starts as soon as its gradient is on the host (during the backward), with
     # clip coefficient 1; if the step's global norm then clips, those updates are undone and redone
-    # exactly. "auto": speculate while the previous step did not clip; "always"; "never".
+    # exactly. "auto": only where the previous step did not clip, and there as measured step times decide
+    # (megatrain/optim.py SpeculationChooser: a few steps speculating, a few without, the faster kept with a 2 %
+    # margin for speculation; per step ``speculation_decision`` in the stats); "always"; "never".
     speculate: str = "auto"
     # Long context. 0 = the model's own max_position_embeddings; N = raise (or lower) it to N positions
     # (RoPE as the family defines it; any rope_scaling in the config is passed through unchanged).

@@ -346,6 +346,7 @@ class MegaTrain:
                           speculated=float(self.optimizer.speculating), clipped=float(coef is not None and coef < 1),
                           skipped=float(coef is None), step_s=time.perf_counter() - t0,
                           **{k: after[k] - before[k] for k in after})
+        self.optimizer.observe_step(self.stats)  # speculate="auto": this step's time to the chooser (its decision in stats)
         self.host_tier.observe_step(self.stats)  # the backward's time: how early a speculative CPU path starts
         self._sample_rss()
         return StepResult(loss=loss_value, tokens=tokens, step_time_s=time.perf_counter() - t0, lr=lr,
@@ -664,6 +665,7 @@ class MegaTrain:
                                    # comparison with the plan's cost-model rates
                                    "update_rates": self.host_tier.rates.to_dict() if self.host_tier.rates else None,
                                    "update_summary": self.host_tier.summary(),
+                                   "speculation_summary": self.optimizer.policy.describe(),
                                    "pool_slots": self.num_pool_slots, "h2d_loads": self.pool.loads})
         if self.device.type == "cuda":
             stats.gpu_peak_allocated = torch.cuda.max_memory_allocated(self.device)
