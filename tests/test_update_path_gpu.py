@@ -7,8 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from megatrain import EngineConfig, MegaTrain, OptimConfig, PRESETS
+from megatrain import EngineConfig, MegaTrain, OptimConfig, PRESETS, cost_model
 from megatrain.data import synthetic_batch
+from megatrain.update_split import UpdateRates
 
 from test_engine_parity import assert_matches_reference, inject_nan_gradient
 
@@ -17,6 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 OPTIM = OptimConfig(lr=1e-3, weight_decay=0.1, max_grad_norm=0.5, warmup_steps=1, total_steps=6)
 NO_CLIP = dataclasses.replace(OPTIM, max_grad_norm=1e9)
 FORCED = "embed,layer.1,layer.3,final"  # host-tier groups on both paths
+SLOW_CPU = UpdateRates(cpu_gps=1.0, cpu_loaded_gps=0.8, h2d_gbs=46.0, d2h_gbs=46.0)  # as test_update_path_plan
 
 
 @pytest.mark.parametrize("overrides", [
@@ -43,7 +45,11 @@ def test_cuda_fp32_hybrid_matches_cpu_reference(preset, overrides):
     optim, mb = kw["optim"], kw.get("micro_batches", 2)
     cfg = EngineConfig(device="cuda", compute_dtype="fp32", seed=0, attn_implementation="sdpa",
                        update_path="hybrid", checkpoint_interval=2, **kw)
-    engine = MegaTrain.from_config(hf, cfg, verbose=False)
+    # "auto" splits at rates measured on this machine, where the tiny model's groups (16-37k params) are not
+    # worth the GPU path (H200, 3b6c5ca: no path built); a slow CPU rate, injected, makes the model's split
+    # take groups, so this case tests that split on CUDA rather than the machine's rates.
+    rates = cost_model.Rates(update=SLOW_CPU) if kw.get("gpu_path_groups") == "auto" else None
+    engine = MegaTrain.from_config(hf, cfg, verbose=False, rates=rates)
     assert engine.host_tier.gpu is not None
     init = {k: v.clone() for k, v in engine.state_dict().items()}
     losses, gpu_groups, busy = [], 0, 0.0
