@@ -179,8 +179,8 @@ def test_accuracy_sft_sweep_on_cpu(model_dir, tmp_path):
     sweep = tmp_path / "accuracy_sft"
     points = sorted(p for p in sweep.iterdir() if p.is_dir())
     assert [p.name.split("__")[0] + "/" + p.name.split("__")[-2] for p in points] == [
-        "megatrain/autocast", "megatrain/default", "megatrain/fp32", "megatrain/pure_streaming", "native/default",
-        "native/fp32",
+        "megatrain/autocast", "megatrain/default", "megatrain/fp32", "megatrain/pure_streaming",
+        "megatrain/streaming_autocast", "native/default", "native/fp32",
         "native/rerun", "native/rerun_ulp"]
     runs = {}
     for p in points:
@@ -195,7 +195,8 @@ def test_accuracy_sft_sweep_on_cpu(model_dir, tmp_path):
     assert [r["loss"] for r in rerun_steps] == [r["loss"] for r in ref_steps]
     assert [r["eval_loss"] for r in rerun_rows[:-1]] == [r["eval_loss"] for r in ref_rows[:-1]]
     # autocast: on the CPU the compute dtype is fp32, so mixed_precision=autocast is plain fp32 there
-    for name in ("megatrain/default", "megatrain/fp32", "megatrain/pure_streaming", "megatrain/autocast"):
+    for name in ("megatrain/default", "megatrain/fp32", "megatrain/pure_streaming", "megatrain/autocast",
+                 "megatrain/streaming_autocast"):
         rows, steps = runs[name]
         assert rows[0]["eval_loss"] == ref_rows[0]["eval_loss"]  # same weights in, same evaluation
         for a, b in zip(steps, ref_steps):
@@ -210,7 +211,7 @@ def test_accuracy_sft_sweep_on_cpu(model_dir, tmp_path):
     assert (tmp_path / "cache" / "gguf").is_dir()  # converted once into the cache
 
 
-def test_accuracy_sft_sweep_expands_to_its_ten_points(tmp_path):
+def test_accuracy_sft_sweep_expands_to_its_eleven_points(tmp_path):
     """Same data and optimizer for every point; the rerun (all-on-GPU again, nothing changed) and the fp32
     points (all-on-GPU, MegaTrain, ZeRO-3) are points of their own, run variant by variant; pure streaming and
     autocast (mixed_precision) only for MegaTrain; a bad variant dtype and a missing GGUF are refused before
@@ -236,7 +237,8 @@ def test_accuracy_sft_sweep_expands_to_its_ten_points(tmp_path):
         ("native", "default", "auto"), ("megatrain", "default", "auto"), ("zero3", "default", "auto"),
         ("native", "rerun", "auto"), ("native", "rerun_ulp", "auto"), ("native", "fp32", "fp32"),
         ("megatrain", "fp32", "fp32"), ("zero3", "fp32", "fp32"), ("megatrain", "pure_streaming", "auto"),
-        ("megatrain", "autocast", "auto")]
+        ("megatrain", "autocast", "auto"), ("megatrain", "streaming_autocast", "auto")]
+    assert jobs[10].options.gpu_resident == "0" and jobs[10].options.mixed_precision == "autocast"
     assert jobs[8].options.gpu_resident == "0" and jobs[1].options.gpu_resident == "auto"
     # autocast changes the engine's mixed precision only
     assert jobs[9].options.mixed_precision == "autocast" and jobs[1].options.mixed_precision == "layer"
