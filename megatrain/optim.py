@@ -15,6 +15,7 @@ updates in a worker thread, speculatively during the backward when the policy al
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -110,10 +111,6 @@ class SpecStep:
     clipped: bool | None = None
 
 
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs)
-
-
 @dataclass
 class SpeculationChooser:
     """Whether speculate="auto" speculates where it may, decided from measured step times.
@@ -175,10 +172,10 @@ class SpeculationChooser:
     def _advance(self, index: int) -> None:
         on, off = self.times[True], self.times[False]
         if self.mode and len(on) >= self.samples and len(off) < self.samples:
-            self._set(index, False, SPEC_MEASURING_OFF, f"speculation measured {_mean(on):.3f} s a step "
+            self._set(index, False, SPEC_MEASURING_OFF, f"speculation measured {statistics.fmean(on):.3f} s a step "
                                                            f"({len(on)} steps)")
         elif not self.mode and len(off) >= self.samples:
-            t_on, t_off = _mean(on), _mean(off)
+            t_on, t_off = statistics.fmean(on), statistics.fmean(off)
             times = f"{t_off:.3f} s a step without vs {t_on:.3f} s speculating"
             if t_off < t_on * (1 - self.margin):
                 self._set(index, False, SPEC_OFF_FASTER, times)
@@ -194,7 +191,7 @@ class SpeculationChooser:
         self.mode, self.last_decision, self.reason = mode, decision, why
 
     def describe(self) -> str:
-        times = ", ".join(f"{label} {_mean(self.times[k]):.3f} s a step ({len(self.times[k])} steps)"
+        times = ", ".join(f"{label} {statistics.fmean(self.times[k]):.3f} s a step ({len(self.times[k])} steps)"
                           for k, label in ((True, "speculating"), (False, "not speculating")) if self.times[k])
         changes = "; ".join(f"after step {s}: {SPEC_DECISIONS[d]} ({why})" for s, d, why in self.history)
         return (f"{SPEC_DECISIONS[self.last_decision]} ({self.reason}); measured: {times or 'nothing yet'}; "

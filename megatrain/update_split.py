@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -233,11 +234,6 @@ DECISIONS = {KEEP_FASTEST: "kept: measured fastest", KEEP_MEASURING: "kept: noth
              SWITCH_FASTER: "switched: measured faster", KEEP_WITHIN_MARGIN: "kept: the fastest is within the margin"}
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return 0.5 * (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2])
-
-
 @dataclass
 class SplitChooser:
     """The split a step that waits for the norm uses, decided from measured step times, not from the model
@@ -288,7 +284,7 @@ class SplitChooser:
             self.measured.setdefault(key, []).append(step_s)
 
     def time(self, key: tuple) -> float:
-        return _median(self.measured[key][-self.window:])
+        return statistics.median(self.measured[key][-self.window:])
 
     def choose(self, step: int, current: Split, proposal: Split, predict) -> Split:
         """The next step's split. ``predict(split)``: the model's update time of a split at the current

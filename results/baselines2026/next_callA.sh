@@ -5,10 +5,7 @@
 # Carry: wheelhouse and .gguf/SmolLM2-135M-Instruct.Q4_1.gguf.part0 (for call B).
 # Usage (repo root): bash results/baselines2026/next_callA.sh <git sha>
 set -uo pipefail
-t0=$(date +%s); say() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a $OUT/callA.log; }
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True MEGATRAIN_GIT_SHA=$1 MEGATRAIN_CACHE=/tmp/init_cache PYTHONUNBUFFERED=1 MEGATRAIN_SITE=/tmp/site WHEELHOUSE_SKIP=megatrain
-[ -f /tmp/site/megatrain-env.sh ] || bash scripts/install_offline.sh wheelhouse > $OUT/install.log 2>&1 || say "install failed"
-source /tmp/site/megatrain-env.sh
+source scripts/device_call_env.sh callA "$1"  # env, say, install
 mkdir -p /tmp/gguf && cp .gguf/*.part0 /tmp/gguf/ 2>/dev/null
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a $OUT/callA.log; free -g >> $OUT/callA.log
 say "kernel builds"

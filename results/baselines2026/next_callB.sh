@@ -6,9 +6,7 @@
 # Carry: .gguf/SmolLM2-135M-Instruct.Q4_1.gguf.part1, .gguf/SHA256SUMS, .gguf/gguf-0.19.0-py3-none-any.whl
 # Usage: bash results/baselines2026/next_callB.sh <git sha>
 set -uo pipefail
-t0=$(date +%s); say() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a $OUT/callB.log; }
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True MEGATRAIN_GIT_SHA=$1 MEGATRAIN_CACHE=/tmp/init_cache PYTHONUNBUFFERED=1 MEGATRAIN_SITE=/tmp/site WHEELHOUSE_SKIP=megatrain
-source /tmp/site/megatrain-env.sh || { say "no install: a fresh machine"; exit 3; }
+source scripts/device_call_env.sh callB "$1"  # env, say, install
 [ -f .gguf/SmolLM2-135M-Instruct.Q4_1.gguf.part0 ] || cp /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf.part0 .gguf/
 bash scripts/ship_gguf.sh join >> $OUT/callB.log 2>&1 || { say "join failed"; exit 3; }
 say "accuracy_sft: pure streaming in autocast beside the reference"

@@ -4,10 +4,8 @@
 # (a host OOM is a row with its numbers), MegaTrain at 64x1024 beside it.
 # Usage: bash results/baselines2026/next_callC.sh <git sha>
 set -uo pipefail
-t0=$(date +%s); say() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a $OUT/callC.log; }
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True MEGATRAIN_GIT_SHA=$1 MEGATRAIN_CACHE=/tmp/init_cache PYTHONUNBUFFERED=1 MEGATRAIN_SITE=/tmp/site WHEELHOUSE_SKIP=megatrain
-source /tmp/site/megatrain-env.sh || { say "no install: a fresh machine"; exit 3; }
+source scripts/device_call_env.sh callC "$1"  # env, say, install
 left=$(( 550 - ($(date +%s) - t0) ))
 say "baselines2026 3B part 3, budget $left s"
-python3 -m experiments.run sweep=baselines2026 'sweep.models=[qwen2.5-3b]' 'only=[gemini__qwen2.5-3b__*__b16__default__*,zenflow__qwen2.5-3b__*__b16__default__*,zenflow__qwen2.5-3b__*__b64__default__*]' results_dir=/tmp/rC time_budget_s=$left timeout_s=300 >> $OUT/callC.log 2>&1; say "runner exit $?"
+python3 -m experiments.run sweep=baselines2026 'sweep.models=[qwen2.5-3b]' 'only=[gemini__qwen2.5-3b__*__b16__default__*,megatrain__qwen2.5-3b__*__b64__default__*,zenflow__qwen2.5-3b__*__b16__default__*,zenflow__qwen2.5-3b__*__b64__default__*]' results_dir=/tmp/rC time_budget_s=$left timeout_s=300 >> $OUT/callC.log 2>&1; say "runner exit $?"
 tar czf $OUT/rC.tgz -C /tmp rC; say done
