@@ -76,6 +76,15 @@ def record(name: str) -> SystemRecord:
     return SYSTEM_RECORDS.get(name) or SystemRecord(name, "", name, name, "#000000")
 
 
+def option_names(name: str) -> frozenset:
+    """The option keys system ``name`` takes (its module's ``OPTIONS``; imports that module, hence torch).
+    A system the registry does not know, or whose module has no ``OPTIONS``, takes none."""
+    rec = SYSTEM_RECORDS.get(name)
+    if rec is None:
+        return frozenset()
+    return frozenset(getattr(importlib.import_module(rec.module), "OPTIONS", None) or ())
+
+
 def build_system(name: str, *, init_dir, optim, micro_batches: int = 1, device: str = "cuda",
                  dtype=None, activation_checkpointing: bool = True, options: dict | None = None,
                  step_shape: tuple[int, int] | None = None, dist=None, hf_config=None):

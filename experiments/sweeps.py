@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from baselines.registry import SYSTEM_RECORDS, record
+from baselines.registry import SYSTEM_RECORDS, option_names, record
 from megatrain.system import OptimConfig
 
 from . import config as C
@@ -263,7 +263,9 @@ def split_variant(system: str, overrides: dict) -> tuple[dict, dict]:
     their batches, compute dtype or repetition (returned as ``__data__``, ``__dtype__``, ``__repeat__``); the
     other keys are system
     options: a typed system (megatrain) gets them all (a typo fails in ``merge_options``), any other
-    system gets none of the engine's own option names (they mean nothing to it)."""
+    system gets none of the engine's own option names (they mean nothing to it) unless it has an option of
+    that name itself (ZenFlow's ``pin_memory``: its variant ``unpinned`` would otherwise be dropped as the
+    engine's and equal its default)."""
     optim = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("optim.")}
     rest = {k: v for k, v in overrides.items() if not k.startswith("optim.") and k not in VARIANT_RUN_KEYS}
     for key in VARIANT_RUN_KEYS:  # like the optimizer, these belong to every system
@@ -271,7 +273,8 @@ def split_variant(system: str, overrides: dict) -> tuple[dict, dict]:
             optim[f"__{key}__"] = overrides[key]
     if C.SYSTEM_OPTION_SCHEMAS.get(system) is None:
         engine_fields = {f.name for schema in C.SYSTEM_OPTION_SCHEMAS.values() for f in dataclasses.fields(schema)}
-        rest = {k: v for k, v in rest.items() if k not in engine_fields}
+        own = option_names(system) if any(k in engine_fields for k in rest) else frozenset()
+        rest = {k: v for k, v in rest.items() if k not in engine_fields or k in own}
     return rest, optim
 
 

@@ -256,6 +256,18 @@ def test_ablation_variants_and_overrides(compose_fn):
         expand(compose_fn, "sweep=ablation", "+sweep.variants.bad={nmu_slots: 1}")
 
 
+def test_a_variant_option_an_untyped_system_has_reaches_it(compose_fn):
+    # `unpinned: {pin_memory: false}` names an engine field too; ZenFlow has an option of that name, so
+    # its variant must reach it (it was dropped as the engine's, and the point equalled the default)
+    _, pts = expand(compose_fn, "sweep=baselines2026", "only=[zenflow__qwen2.5-3b__*__b16__*]")
+    opts = {p.variant: p.options for p in pts}
+    assert set(opts) == {"default", "unpinned"}
+    assert opts["unpinned"]["pin_memory"] is False and "pin_memory" not in opts["default"]
+    # a system without such an option gets none of the engine's names (pure_streaming's gpu_resident)
+    _, pts = expand(compose_fn, "sweep=baselines2026", "only=[zero3__qwen2.5-3b__*__b16__*]")
+    assert [p.variant for p in pts] == ["default"] and "gpu_resident" not in pts[0].options
+
+
 def test_system_filter_and_errors(compose_fn):
     _, pts = expand(compose_fn, "sweep=size", "system=zero3")
     assert {p.system for p in pts} == {"zero3"} and len(pts) == 6  # 3B, then the paper's five sizes
