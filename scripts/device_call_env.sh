@@ -9,3 +9,12 @@ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True MEGATRAIN_GIT_SHA=$2 MEG
 [ -f /tmp/site/megatrain-env.sh ] || bash scripts/install_offline.sh wheelhouse > "$OUT/install.log" 2>&1 || say "install failed"
 # shellcheck disable=SC1091
 source /tmp/site/megatrain-env.sh || { say "no install (no wheelhouse carried to a fresh machine?)"; exit 3; }
+# build_kernels: the host AdamW extension and DeepSpeed's cpu_adam, in parallel, before any timed run (a fresh
+# machine has neither; both are cached for the rest of the machine's life, so a warm machine returns at once).
+build_kernels() {
+  say "kernel builds (host AdamW, DeepSpeed's cpu_adam)"
+  python3 -m megatrain.kernels build >> "$OUT/$CALL_NAME.log" 2>&1 &
+  python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(); print('deepspeed cpu_adam built')" \
+    >> "$OUT/$CALL_NAME.log" 2>&1 &
+  wait
+}

@@ -11,10 +11,7 @@ snap() { tar czf $OUT/r5.tgz -C /tmp r5; }
 # A fresh machine (session 2026-12-04c: call 4's machine went back before this call): keep the GGUF's first part
 # for call 6 and build the kernels the runs need (host AdamW, DeepSpeed's cpu_adam) before the clock of the sweep.
 mkdir -p /tmp/gguf && cp .gguf/*.part0 /tmp/gguf/ 2>/dev/null
-say "kernel builds"
-python3 -m megatrain.kernels build >> $OUT/call5.log 2>&1 &
-python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(); print('deepspeed cpu_adam built')" >> $OUT/call5.log 2>&1 &
-wait
+build_kernels
 left=$(( 500 - ($(date +%s) - t0) ))
 say "baselines2026 3B part 1, budget $left s"
 python3 -m experiments.run sweep=baselines2026 'sweep.models=[qwen2.5-3b]' 'only=[native__qwen2.5-3b__*__b16__default__*,megatrain__qwen2.5-3b__*__b16__default__*,megatrain__qwen2.5-3b__*__b16__pure_streaming__*,zero3__qwen2.5-3b__*__b16__default__*,zero2__qwen2.5-3b__*__b16__default__*]' steps=6 warmup_steps=3 post=false results_dir=/tmp/r5 time_budget_s=$left timeout_s=200 >> $OUT/call5.log 2>&1; say "runner exit $?"; snap

@@ -16,10 +16,8 @@ if [ -f .gguf/SmolLM2-135M-Instruct.Q4_1.gguf.part0 ]; then  # call 5's machine 
   MEGATRAIN_CACHE=/tmp/mtcache python3 -m experiments.run sweep=accuracy_sft 'only=[native__*__default__*,megatrain__*__streaming_autocast__*]' post=false results_dir=/tmp/r6 time_budget_s=170 >> $OUT/call6.log 2>&1; say "runner exit $?"
   tar czf $OUT/r6.tgz -C /tmp r6
 else  # a fresh machine (the GGUF's first part is gone): no accuracy_sft; build the kernels part 2 needs first
-  say "fresh machine: no GGUF part 0, accuracy_sft skipped; kernel builds"
-  python3 -m megatrain.kernels build >> $OUT/call6.log 2>&1 &
-  python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(); print('deepspeed cpu_adam built')" >> $OUT/call6.log 2>&1 &
-  wait
+  say "fresh machine: no GGUF part 0, accuracy_sft skipped"
+  build_kernels
 fi
 left=$(( ${CALL6_BUDGET_S:-520} - ($(date +%s) - t0) ))
 say "baselines2026 3B part 2, budget $left s"
