@@ -13,7 +13,8 @@ the backward); ``host_update_busy_s`` is the AdamW worker's own busy time in the
 ``gpu_load_wait_s`` is GPU time, not host time: how long the compute stream stalled waiting for layer
 loads (timing events around each wait, megatrain/streams.py ``WaitTimer``). A phase much longer than its
 compute with a small GPU wait means the GPU waited for the host's launches instead. This module takes
-the median of each over a row's timed steps; the report prints them for every ok row that has them.
+the median of each over a row's timed steps; the report prints them for every ok row whose own point folder has them (not an older
+run's folder left beside a row merged without one: ``analysis.steady.row_folder``).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .steady import timed_records
+from .steady import row_folder, timed_records
 
 SPLIT = ("forward_s", "loss_s", "backward_s", "grad_norm_s", "optimizer_launch_s")  # sums to the step
 EXTRA = ("optimizer_exposed_s", "host_update_busy_s", "gpu_load_wait_s")              # inside the split
@@ -50,7 +51,8 @@ def report_lines(results_dir, frames: dict) -> list[str]:
     body = []
     for sweep, df in frames.items():
         for _, r in df[df["status"] == "ok"].iterrows():
-            ph = phase_medians(Path(results_dir) / sweep / str(r["point"]))
+            folder = row_folder(results_dir, sweep, r)  # None: the folder holds another run's steps
+            ph = phase_medians(folder) if folder is not None else {}
             if not ph:
                 continue
             step = ph["step_s"]

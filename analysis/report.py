@@ -171,9 +171,16 @@ def _overlap(a, b, metric: str) -> bool | None:
     return ra[0] <= rb[1] and rb[0] <= ra[1]
 
 
+PARTIAL = "◊"  # an ok row of a point that timed out: statistics of the timed steps it finished (reason "partial")
+
+
+def _partial(r: pd.Series) -> str:
+    return PARTIAL if r.get("reason") == "partial" else ""
+
+
 def _cell(r: pd.Series, metric: str, spread: bool = False) -> str:
     if r["status"] == "ok" and pd.notna(r[metric]):
-        text = _fmt_value(float(r[metric])) + _dagger(r)
+        text = _fmt_value(float(r[metric])) + _dagger(r) + _partial(r)
         rng = metric_range(r, metric) if spread else None
         return text + (f" ({_fmt_value(rng[0])}–{_fmt_value(rng[1])})" if rng else "")
     return f"*{status_short(r)}*"
@@ -266,6 +273,9 @@ def _sweep_table(sweep: str, df: pd.DataFrame) -> list[str]:
               (f" {SECTION} = not exact AdamW (bounded staleness; settings in the row), by its mean step time "
                "(its periodic waits for deferred CPU work fall outside the median)."
                if any(not record(s).exact_adamw for s in df["system"]) else "") +
+              (f" {PARTIAL} = the point timed out after finishing most of its timed steps: the value is those "
+               "steps' (how many: the row's error)." if (df.get("reason", pd.Series(dtype=str)) == "partial").any()
+               else "") +
               (" Measured on a CPU: tokens/s, not TFLOPS." if cpu else "") +
               (" Hardware columns marked with an emulated profile run on the H200 with a capped GPU memory."
                if sweep == "hardware" else ""), ""]

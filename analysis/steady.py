@@ -3,7 +3,7 @@
 A point that times only a few steps can still be speeding up: DeepSpeed ZeRO-3's first steps run 1.5-2×
 slower than its steady state (results/size: 4.11 s then 2.51 s at the 3B shape). Its median then overstates
 the step time, and a ratio against it overstates the other system's lead. This reads the timed steps of each
-ok row from its point folder (``<results>/<sweep>/<point>/metrics.jsonl``, ``warmup`` false) and flags the
+ok row from its point folder (when the folder is the row's own: ``row_folder``) (``<results>/<sweep>/<point>/metrics.jsonl``, ``warmup`` false) and flags the
 row when its step times are still falling:
 
     unsteady  <=>  at least 2 timed steps  and  last timed step < (1 - FALL_TOL) x first timed step
@@ -48,6 +48,25 @@ def timed_step_times(point_dir: Path) -> list[float]:
     return [float(r["step_time_s"]) for r in timed_records(point_dir) if r.get("step_time_s") is not None]
 
 
+MATCH_TOL = 0.005  # a folder's timed-step median within 0.5 % of the row's median: the row was made from it
+
+
+def row_folder(results_dir, sweep: str, row) -> Path | None:
+    """The point folder of ``row`` when its timed steps are the ones the row was computed from, else None.
+
+    A row merged from a device call whose point folder did not come back (at most 8 files return) sits beside
+    the folder of an older run of the same point; that folder's steps belong to the older row, so readers
+    (the steady check, the phase table) must not attach them to the newer one. The row's
+    ``step_time_median_s`` is the median of its folder's timed steps, so a mismatch shows the folder is stale."""
+    point_dir = Path(results_dir) / sweep / str(row["point"])
+    times = timed_step_times(point_dir)
+    want = pd.to_numeric(pd.Series([row.get("step_time_median_s")]), errors="coerce").iloc[0]
+    if not times or pd.isna(want) or want <= 0:
+        return None
+    got = float(pd.Series(times).median())
+    return point_dir if abs(got - want) <= MATCH_TOL * want else None
+
+
 def falling_note(times: list[float], tol: float = FALL_TOL) -> str:
     """"" when ``times`` look steady (or are too few to tell), else "first -> last s over n timed steps"."""
     if len(times) < 2 or times[0] <= 0 or times[-1] >= (1.0 - tol) * times[0]:
@@ -58,9 +77,11 @@ def falling_note(times: list[float], tol: float = FALL_TOL) -> str:
 def mark_unsteady(results_dir, sweep: str, df: pd.DataFrame) -> pd.DataFrame:
     """``df`` with a ``steady_note`` column (see module docstring) for each ok row of ``sweep``."""
     df = df.copy()
-    base = Path(results_dir) / sweep
-    df["steady_note"] = [falling_note(timed_step_times(base / str(r["point"]))) if r["status"] == "ok" else ""
-                         for _, r in df.iterrows()]
+    notes = []
+    for _, r in df.iterrows():
+        folder = row_folder(results_dir, sweep, r) if r["status"] == "ok" else None
+        notes.append(falling_note(timed_step_times(folder)) if folder is not None else "")
+    df["steady_note"] = notes
     return df
 
 

@@ -179,7 +179,8 @@ def _finish(fig, df: pd.DataFrame, title: str, note: str, out: Path, name: str, 
     paths = []
     for ext in formats:
         p = out / f"{name}.{ext}"
-        fig.savefig(p)
+        # no creation date in PDFs: an unchanged figure regenerates byte for byte (no churn in git)
+        fig.savefig(p, metadata={"CreationDate": None} if ext == "pdf" else None)
         paths.append(p)
     plt.close(fig)
     return paths

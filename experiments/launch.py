@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .cache import init_complete
 from .point import one_line, read_metrics, summarize
-from .schema import Row
+from .schema import PARTIAL_MIN_STEPS, Row
 from .sweeps import Job
 
 GIB = 2**30
@@ -149,12 +149,53 @@ def launch(job: Job, *, timeout: float, init_timeout: float, log=print) -> dict:
                       host_peak_rss_bytes=child.get("outside_peak_rss_bytes"))
         with contextlib.suppress(OSError, ValueError):  # what the system said at build (its settings)
             result["system_info"] = json.loads((pdir / "system_info.json").read_text())
-        if status != "ok":
+        if status == "timeout":  # nothing measured is lost: enough finished timed steps make a partial row
+            result.update(partial_fields(result["metrics"], job.steps, error))
+        if result["status"] != "ok":
             for k in ("step_time_median_s", "step_time_mean_s", "tokens_per_s", "tflops", "mfu"):
                 result["metrics"].pop(k, None)
     result["duration_s"] = child["duration_s"]
     result["returncode"] = child["rc"]
     return result
+
+
+def partial_fields(metrics: dict, steps: int, error: str) -> dict:
+    """What a timed-out point's result becomes when it finished at least ``PARTIAL_MIN_STEPS`` of its
+    ``steps`` timed steps and half of them: an ok row with ``reason`` "partial", its statistics those steps'
+    (``summarize`` counts them in ``timed_steps``) and the timeout kept in ``error``; {} otherwise (the row
+    stays a timeout without numbers)."""
+    done = int(metrics.get("measured_steps_done") or 0)
+    if done < PARTIAL_MIN_STEPS or 2 * done < steps or not metrics.get("step_time_median_s"):
+        return {}
+    return {"status": "ok", "reason": "partial",
+            "error": f"partial: {done} of {steps} timed steps finished before {error.removeprefix('timeout: ')}"}
+
+
+# the row columns a partial result fills (from ``summarize``), beside status, reason and error
+PARTIAL_COLUMNS = ("step_time_median_s", "step_time_mean_s", "tokens_per_s", "tflops", "mfu", "timed_steps",
+                   "step_time_min_s", "step_time_max_s", "step_time_stdev_s", "steps_clipped", "loss_first",
+                   "loss_last")
+
+
+def salvage_partial(row: dict, point_dir) -> dict | None:
+    """A timeout row written before timed-out points kept their steps (or by a runner that did not), made
+    the partial row the runner writes today from its point folder's ``job.json`` and ``metrics.jsonl``;
+    None when the row is no timeout, the folder lacks them, or too few timed steps finished."""
+    pdir = Path(point_dir)
+    if row.get("status") != "timeout" or not (pdir / "job.json").is_file():
+        return None
+    try:
+        job = Job.load(pdir / "job.json")
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    metrics = summarize(read_metrics(pdir / "metrics.jsonl"), job)
+    error = row.get("error", "").split(" (clipped by time_budget_s")[0]
+    fields = partial_fields(metrics, job.steps, error)
+    if not fields:
+        return None
+    clipped = "clipped by time_budget_s; " if row.get("reason") == "budget_cut" else ""
+    return {**row, **fields, "error": fields["error"] + f" ({clipped}a rerun retries it)",
+            **{k: metrics.get(k) for k in PARTIAL_COLUMNS}}
 
 
 def to_row(job: Job, result: dict, env: dict) -> Row:

@@ -240,6 +240,9 @@ def run(cfg) -> dict:
             if result.get("status") == "timeout" and timeout < cfg.timeout_s:
                 result["reason"] = "budget_cut"
                 result["error"] += " (clipped by time_budget_s; a rerun retries it)"
+            elif result.get("reason") == "partial":  # an ok row from the steps it finished; not done
+                clipped = "clipped by time_budget_s; " if timeout < cfg.timeout_s else ""
+                result["error"] += f" ({clipped}a rerun retries it)"
             counts["launched"] += 1
         row = schema.make_row(row=L.to_row(job, result, env))
         schema.append_row(csv_path, row)

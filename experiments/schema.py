@@ -38,7 +38,8 @@ H200_PEAK_TFLOPS = PEAK_TFLOPS["H200"]
 
 STATUSES = ("ok", "skipped", "gpu_oom", "host_oom", "timeout", "error")
 DONE_STATUSES = ("ok", "skipped")  # not re-run on a rerun unless redo=true
-# Why a row has no number, as a field (``reason``); "" for an ok row and for failures without a typed cause.
+# Why a row has no number (or only part of one), as a field (``reason``); "" for a complete ok row and for
+# failures without a typed cause.
 REASONS = {
     "host_memory": "not launched: the memory rule predicts the host RAM is too small (need/have_host_gib)",
     "gpu_memory": "not launched: the GPU memory is too small for an all-on-GPU system (need/have_gpu_gib)",
@@ -46,7 +47,11 @@ REASONS = {
                 "a limit of the engine, which more host RAM would not lift",
     "needs_gpu": "not launched: the system needs a GPU and this run is on the CPU",
     "budget_cut": "stopped by the run's time_budget_s before the point's own timeout (a rerun retries it)",
+    "partial": "an ok row of a point that timed out after finishing most of its timed steps: its statistics "
+               "are those steps' (timed_steps < steps; a rerun retries it)",
 }
+# a timed-out point keeps its statistics when it finished at least this many timed steps and half of them
+PARTIAL_MIN_STEPS = 3
 MEMORY_REASONS = ("host_memory", "gpu_memory", "plan_gpu")  # a memory verdict, not a failure
 SAMPLE_SHA = "sample"  # rows of test fixtures / sample data (git_sha or gpu_name)
 SAMPLE_GPU = "sample-data"
@@ -110,7 +115,8 @@ class Row:
     optimizer: str = _col("the optimizer the system actually ran", "")
     settings: str = _col("the system's own settings that matter for speed (JSON), beyond the columns below", "")
     # -- v3: typed fields -------------------------------------------------------------------------
-    reason: str = _col("why the row has no number, typed: " + ", ".join(REASONS) + "; '' otherwise", "")
+    reason: str = _col("why the row has no number (or a partial one), typed: " + ", ".join(REASONS)
+                       + "; '' otherwise", "")
     need_host_gib: float | None = _col("host RAM the point needs by the memory rule (GiB); set for memory skips")
     have_host_gib: float | None = _col("host RAM available to the point when it was judged (GiB)")
     need_gpu_gib: float | None = _col("GPU memory the point needs by the memory rule / the engine's plan (GiB)")
@@ -374,7 +380,8 @@ def latest(df):
 
 
 def point_status(path) -> dict[str, str]:
-    """``{point: status}`` of the last row of each point in the CSV (empty if there is none)."""
+    """``{point: status}`` of the last row of each point in the CSV (empty if there is none); "partial" for an
+    ok row whose point timed out (``REASONS``): not done, so a rerun retries it."""
     status: dict[str, str] = {}
     path = Path(path)
     if read_header(path) is None:
@@ -382,7 +389,7 @@ def point_status(path) -> dict[str, str]:
     check_header(path, readable=True)
     with path.open(newline="") as f:
         for rec in csv.DictReader(f):
-            status[rec["point"]] = rec["status"]
+            status[rec["point"]] = "partial" if rec.get("reason") == "partial" else rec["status"]
     return status
 
 

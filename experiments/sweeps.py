@@ -409,7 +409,11 @@ def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name
                                     factory=sc.get("factory"), sft=_container(sw.sft), **job_common,
                                 ))
     if cfg.only:
-        points = [p for p in points if any(fnmatch.fnmatchcase(p.id, pat) for pat in cfg.only)]
+        chosen = [p for p in points if any(fnmatch.fnmatchcase(p.id, pat) for pat in cfg.only)]
+        if points and not chosen:  # a typo in only= must not be a run that measured nothing and exited 0
+            raise SweepError(f"only={list(cfg.only)} matches none of the sweep's {len(points)} point(s), "
+                             f"e.g. {points[0].id}")
+        points = chosen
     return points
 
 

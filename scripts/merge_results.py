@@ -6,7 +6,9 @@ Appends the new CSV rows (after upgrading an older committed CSV to the current 
 matches), copies the point folders and appends runs.jsonl. A point folder that already exists is refused
 (exit 2), unless ``--replace``: then the newer folder replaces it and both CSV rows stay (readers keep the
 last row per point; the older row remains as history). Refuses rows measured on another hardware than the
-committed ones (a run on one machine never overwrites another's results).
+committed ones (a run on one machine never overwrites another's results). A timeout row whose point folder
+shows that most of its timed steps finished becomes the partial row the runner writes today
+(``experiments.launch.salvage_partial``): nothing measured is lost.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from experiments.launch import salvage_partial  # noqa: E402
 from experiments.schema import COLUMNS, read_records, upgrade_csv, append_row  # noqa: E402
 
 
@@ -47,6 +50,10 @@ def merge(src: Path, dst: Path, replace: bool = False) -> int:
             shutil.rmtree(dst / p.name)
         shutil.copytree(p, dst / p.name)
     for row in new:
+        partial = salvage_partial(row, src / row["point"])
+        if partial is not None:
+            print(f"{row['point']}: {partial['error']}")
+            row = partial
         append_row(dst / "results.csv", {c: row[c] for c in COLUMNS})
     if (src / "runs.jsonl").exists():
         with (dst / "runs.jsonl").open("a") as f:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 BEHAVIORS = ("ok", "crash", "gpu_oom", "host_oom", "sigkill", "hang")
+EXTRA_BEHAVIORS = ("hang_late",)  # configs written, but not in the default _test sweep: hangs at its 5th step
 
 
 class OutOfMemory(RuntimeError):
@@ -45,7 +46,7 @@ class FakeSystem:
             raise OutOfMemory("host RAM exhausted (injected)", kind="host")
         if b == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
-        if b == "hang" and self.steps >= 1:
+        if (b == "hang" and self.steps >= 1) or (b == "hang_late" and self.steps >= 4):
             time.sleep(3600)
         self.steps += 1
         time.sleep(0.01)
@@ -71,7 +72,7 @@ def write_test_conf(root: Path, *, systems=BEHAVIORS, timeout_s: float = 20) -> 
     (conf / "system").mkdir(parents=True, exist_ok=True)
     (conf / "sweep").mkdir(parents=True, exist_ok=True)
     here = Path(__file__).resolve()
-    for b in BEHAVIORS:
+    for b in BEHAVIORS + EXTRA_BEHAVIORS:
         (conf / "system" / f"_test_{b}.yaml").write_text(
             f"name: _test_{b}\nfactory: '{here}:fake_system'\noptions:\n  behavior: {b}\n")
     names = ", ".join(f"_test_{b}" for b in systems)

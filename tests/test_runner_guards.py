@@ -83,6 +83,12 @@ def test_exit_status_is_1_when_no_point_succeeded(tmp_path):
     proc = run_runner("sweep=_test", f"hydra.searchpath=[file://{conf}]", f"results_dir={tmp_path / 'r2'}",
                       f"cache_dir={tmp_path / 'cache'}", "only=[_test_gpu_oom*]", "post=false")
     assert proc.returncode == 1 and "no point succeeded" in proc.stderr.strip().splitlines()[-1]
+    # a selection that matches nothing measured nothing: exit 2, in one line, before anything is written
+    proc = run_runner("sweep=_test", f"hydra.searchpath=[file://{conf}]", f"results_dir={tmp_path / 'r3'}",
+                      f"cache_dir={tmp_path / 'cache'}", "only=[_test_typo*]", "post=false")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: only=['_test_typo*'] matches none of the sweep's")
+    assert not (tmp_path / "r3").exists()
 
 
 @pytest.mark.parametrize("args, message", [

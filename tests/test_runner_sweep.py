@@ -204,6 +204,23 @@ def test_bad_overrides_fail_fast_and_list_the_choices(tmp_path, override, expect
     assert not list(tmp_path.iterdir())  # nothing ran
 
 
+def test_a_point_that_times_out_late_keeps_the_steps_it_finished(tmp_path, cache, test_conf):
+    """Nothing measured is lost: a point that hangs after 3 of its 4 timed steps times out, and its row is an
+    ok row of those 3 steps (reason "partial", the timeout in error) that a rerun retries."""
+    results = tmp_path / "results"
+    proc = run_runner("sweep=_test", f"hydra.searchpath=[file://{test_conf}]", f"results_dir={results}",
+                      f"cache_dir={cache}", "sweep.systems=[_test_hang_late]", "steps=4", "warmup_steps=1", "timeout_s=25")
+    csv = results / "_test" / "results.csv"
+    (r,) = [r for _, r in schema.read_results(csv).iterrows()]
+    assert r["status"] == "ok" and r["reason"] == "partial", (r["status"], r["error"], proc.stdout + proc.stderr)
+    assert r["steps"] == 4 and r["timed_steps"] == 3 and r["tokens_per_s"] > 0 and r["step_time_median_s"] > 0
+    assert r["error"].startswith("partial: 3 of 4 timed steps finished before the point process exceeded 25s")
+    assert "a rerun retries it" in r["error"]
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # a partial row is a result, not a failure
+    status = schema.point_status(csv)
+    assert status == {r["point"]: "partial"} and "partial" not in schema.DONE_STATUSES
+
+
 def test_a_killed_runner_takes_its_point_process_with_it(tmp_path, cache, test_conf):
     import os
     import signal

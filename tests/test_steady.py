@@ -30,16 +30,16 @@ def test_timed_step_times_skips_warmup_and_tolerates_missing(tmp_path):
     assert timed_step_times(tmp_path / "bad") == []
 
 
-def _row(system, status="ok", tflops=None):
+def _row(system, status="ok", tflops=None, step=1.0):
     return dict(sweep="size", point=f"{system}__qwen2.5-3b__L36__w1__s1024__b8__default__H200", system=system,
                 variant="default", status=status, error="", model="qwen2.5-3b", num_params=3.09e9, num_layers=36,
                 hidden_size=2048, seq_len=1024, batch_size=8, tokens_per_step=8192, hardware="H200", emulated=False,
-                tflops=tflops, step_time_median_s=1.0, gpu_name="NVIDIA H200", git_sha="abc1234",
+                tflops=tflops, step_time_median_s=step, gpu_name="NVIDIA H200", git_sha="abc1234",
                 host_ram_gib=125.9)
 
 
 def test_report_marks_the_unsteady_row_and_its_ratio(tmp_path):
-    rows = [_row("megatrain", tflops=300.0), _row("zero3", tflops=50.0)]
+    rows = [_row("megatrain", tflops=300.0, step=0.505), _row("zero3", tflops=50.0, step=3.31)]
     for r in rows:
         schema.append_row(tmp_path / "size" / "results.csv", r)
     _metrics(tmp_path / "size" / rows[0]["point"], [1.0, 0.51, 0.50])
@@ -62,7 +62,7 @@ def test_report_without_unsteady_rows_has_no_section(tmp_path):
 def test_phase_medians_and_the_report_section(tmp_path):
     from analysis.phases import phase_medians
 
-    r = _row("megatrain", tflops=300.0)
+    r = _row("megatrain", tflops=300.0, step=4.2)
     schema.append_row(tmp_path / "size" / "results.csv", r)
     pdir = tmp_path / "size" / r["point"]
     pdir.mkdir(parents=True)
@@ -85,3 +85,30 @@ def test_phase_medians_and_the_report_section(tmp_path):
     assert phase_medians(pdir) == {}
     assert "Where MegaTrain's step time went" not in build_report(tmp_path, out_path=tmp_path / "R.md",
                                                                    log=lambda *a: None)[0]
+
+
+def test_a_stale_point_folder_is_not_read_for_a_newer_row(tmp_path):
+    """A row merged without its folder (the device call could not bring it back) sits beside an older run's
+    folder of the same point: neither the steady check nor the phase table may read that folder for it."""
+    from analysis.phases import phase_medians
+    from analysis.steady import row_folder
+
+    old = _row("megatrain", tflops=300.0, step=4.2)
+    schema.append_row(tmp_path / "size" / "results.csv", old)
+    pdir = tmp_path / "size" / old["point"]
+    pdir.mkdir(parents=True)
+    ph = {"forward_s": 1.0, "loss_s": 0.1, "backward_s": 2.5, "grad_norm_s": 0.0, "optimizer_launch_s": 0.6}
+    recs = [{"step": i, "warmup": i == 0, "step_time_s": t, "phases": ph} for i, t in enumerate([9.0, 6.0, 4.2, 3.0])]
+    (pdir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in recs))
+    df = schema.read_results(tmp_path / "size" / "results.csv")
+    assert row_folder(tmp_path, "size", df.iloc[0]) == pdir and phase_medians(pdir)
+    assert mark_unsteady(tmp_path, "size", df)["steady_note"].iloc[0]        # 6.0 -> 3.0: still falling
+    text, _ = build_report(tmp_path, out_path=tmp_path / "REPORT.md", log=lambda *a: None)
+    assert f"| size | {old['point']} | 4.20 |" in text and "Rows not at steady state" in text
+    schema.append_row(tmp_path / "size" / "results.csv", _row("megatrain", tflops=330.0, step=3.8))  # newer, no folder
+    df = schema.load_results(tmp_path, log=lambda *a: None)[0]["size"]
+    assert len(df) == 1 and row_folder(tmp_path, "size", df.iloc[0]) is None
+    assert mark_unsteady(tmp_path, "size", df)["steady_note"].iloc[0] == ""
+    text, _ = build_report(tmp_path, out_path=tmp_path / "REPORT.md", log=lambda *a: None)
+    assert "| MegaTrain | 330 |" in text
+    assert "Where MegaTrain's step time went" not in text and "Rows not at steady state" not in text
