@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import functools
 import math
 import os
@@ -295,6 +296,50 @@ def append_row(path, row) -> None:
         writer.writerow(row)
         f.flush()
         os.fsync(f.fileno())
+    write_jsonl(path)
+
+
+JSONL_NAME = "rows.jsonl"  # beside results.csv: the same rows as typed JSON, one object per line
+
+
+def _typed(column: str, cell: str):
+    """A CSV cell as the JSON value of its column's type: str, bool, int or float (empty -> null); the
+    ``settings`` column as the object it holds."""
+    kind = FIELDS[column].type
+    if column == "settings":
+        try:
+            return json.loads(cell) if cell else None
+        except ValueError:
+            return cell
+    if kind == "str":
+        return cell
+    if cell == "":
+        return None
+    if kind.startswith("bool"):
+        return cell.strip().lower() in ("true", "1", "yes")
+    try:
+        v = float(cell)
+    except ValueError:
+        return cell
+    if kind.startswith("int") and v.is_integer():
+        return int(v)
+    return v if math.isfinite(v) else None
+
+
+def jsonl_records(path) -> list[dict]:
+    """Every row of the results CSV at ``path`` (history included, in order), typed (``_typed``)."""
+    return [{c: _typed(c, r[c]) for c in COLUMNS} for r in read_records(path)]
+
+
+def write_jsonl(path) -> Path:
+    """(Re)write ``rows.jsonl`` beside the results CSV at ``path`` from it (atomically); returns its path.
+    The CSV stays the record; this is its machine-readable twin, with the issue's keys as typed values."""
+    path = Path(path)
+    out = path.with_name(JSONL_NAME)
+    tmp = out.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r, sort_keys=False, ensure_ascii=False) + "\n" for r in jsonl_records(path)))
+    os.replace(tmp, out)
+    return out
 
 
 def read_records(path) -> list[dict[str, str]]:
@@ -469,7 +514,14 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m experiments.schema", description="Row schema tools.")
     ap.add_argument("--upgrade", nargs="+", metavar="CSV", help="rewrite older results CSVs in the current version")
+    ap.add_argument("--jsonl", nargs="+", metavar="CSV", help=f"(re)write {JSONL_NAME} beside each results CSV")
     args = ap.parse_args(argv)
+    for p in args.jsonl or []:
+        try:
+            print(write_jsonl(p))
+        except SchemaError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     for p in args.upgrade or []:
         try:
             v = upgrade_csv(p)

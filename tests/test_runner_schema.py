@@ -184,3 +184,28 @@ def test_factory_loading(tmp_path):
     assert P.load_callable("experiments.schema:point_id") is schema.point_id
     with pytest.raises(ValueError, match="factory must look like"):
         P.load_callable("nocolon")
+
+
+def test_rows_jsonl_is_the_csvs_typed_twin(tmp_path):
+    """Every appended row also lands in rows.jsonl beside the CSV, as typed JSON (ints, floats, bools, null,
+    settings as an object), and the committed results' rows.jsonl files are up to date with their CSVs."""
+    import json
+    from pathlib import Path
+
+    csv_path = tmp_path / "s" / "results.csv"
+    schema.append_row(csv_path, dict(sweep="s", point="p1", system="megatrain", status="ok", hardware="H200",
+                                     num_params=3085938688, tflops=425.7, emulated=False, blocks_kept=36,
+                                     settings='{"recompute": "auto"}'))
+    schema.append_row(csv_path, dict(sweep="s", point="p2", system="zero3", status="timeout", hardware="H200",
+                                     reason="budget_cut"))
+    rows = [json.loads(l) for l in (tmp_path / "s" / "rows.jsonl").read_text().splitlines()]
+    assert [r["point"] for r in rows] == ["p1", "p2"] and list(rows[0]) == schema.COLUMNS
+    a, b = rows
+    assert a["num_params"] == 3085938688 and isinstance(a["num_params"], int) and a["tflops"] == 425.7
+    assert a["emulated"] is False and a["blocks_kept"] == 36 and a["settings"] == {"recompute": "auto"}
+    assert b["tflops"] is None and b["reason"] == "budget_cut" and b["settings"] is None
+    root = Path(__file__).resolve().parents[1] / "results"
+    stale = [str(p) for p in sorted(root.glob("*/results.csv"))
+             if (p.parent / "rows.jsonl").read_text() != "".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                                                  for r in schema.jsonl_records(p))]
+    assert not stale, f"rows.jsonl out of date (python -m experiments.schema --jsonl results/*/results.csv): {stale}"
