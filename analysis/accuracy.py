@@ -132,7 +132,9 @@ def plot_accuracy(jsonl, png, ref: str = "native") -> list[Path]:
     png.parent.mkdir(parents=True, exist_ok=True)
     paths = [png, png.with_suffix(".pdf")]
     for p in paths:
-        fig.savefig(p, dpi=150)
+        from .style import save  # noqa: PLC0415
+
+        save(fig, p, dpi=150)
     plt.close(fig)
     return paths
 

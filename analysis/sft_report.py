@@ -206,7 +206,9 @@ def plot(results_dir, out_dir, formats=("png", "pdf"), sweep: str = SWEEP) -> li
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{SWEEP}.{f}" for f in formats]
     for p in paths:
-        fig.savefig(p, dpi=150)
+        from .style import save  # noqa: PLC0415
+
+        save(fig, p, dpi=150)
     plt.close(fig)
     return paths
 

@@ -179,11 +179,16 @@ def _finish(fig, df: pd.DataFrame, title: str, note: str, out: Path, name: str, 
     paths = []
     for ext in formats:
         p = out / f"{name}.{ext}"
-        # no creation date in PDFs: an unchanged figure regenerates byte for byte (no churn in git)
-        fig.savefig(p, metadata={"CreationDate": None} if ext == "pdf" else None)
+        save(fig, p)
         paths.append(p)
     plt.close(fig)
     return paths
+
+
+def save(fig, path, **kw) -> None:
+    """``fig.savefig`` without a creation date in PDFs: an unchanged figure regenerates byte for byte (no
+    churn in git)."""
+    fig.savefig(path, metadata={"CreationDate": None} if str(path).endswith(".pdf") else None, **kw)
 
 
 def _fail_handle():

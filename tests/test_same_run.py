@@ -1,0 +1,61 @@
+"""analysis.same_run: issue 24's one table per shape -- every system against MegaTrain tiered, with its costs,
+and marks for what makes a ratio weaker (another call, not exact AdamW, a partial row)."""
+from __future__ import annotations
+
+import json
+
+from analysis.report import build_report
+from experiments import schema
+
+P, L, H, S, B = 3085938688, 36, 2048, 1024, 16
+T = S * B
+FLOPS = 6 * P * T + 12 * L * H * S * T
+
+
+def _row(system, step, variant="default", sha="c5fdcd8", date="2026-12-04T20:52:00", **kw):
+    point = f"{system}__qwen2.5-3b__L36__w1__s1024__b16__{variant}__H200"
+    base = dict(sweep="baselines2026", point=point, system=system, variant=variant, status="ok", model="qwen2.5-3b",
+                num_params=P, num_layers=L, hidden_size=H, seq_len=S, batch_size=B, tokens_per_step=T,
+                hardware="H200", gpu_name="NVIDIA H200", git_sha=sha, date=date, timed_steps=6,
+                step_time_median_s=step, step_time_mean_s=step, step_time_min_s=step * 0.99,
+                step_time_max_s=step * 1.01, tflops=FLOPS / step / 1e12, host_peak_rss_gib=P * 12 / 2**30,
+                host_bytes_per_param=12.0, gpu_peak_reserved_gib=20.0)
+    return base | kw
+
+
+def test_every_system_against_megatrain_with_its_marks(tmp_path):
+    rows = [
+        _row("megatrain", 0.75, gpu_tier_layers=36, blocks=36, blocks_kept=36),
+        _row("native", 0.82, settings=json.dumps({"auto_config": {"winner": "no_ckpt/mb1"}})),
+        _row("zero3", 3.0),
+        _row("zenflow", 2.0, step_time_mean_s=4.0, settings=json.dumps({"topk_ratio": 0.05, "update_interval": 4})),
+        _row("superoffload", 9.0, sha="dae4494", reason="partial", timed_steps=7,
+             error="partial: 7 of 8 timed steps finished before the point process exceeded 200s"),
+        _row("fsdp", 1.0, status="host_oom", tflops=None, step_time_median_s=None, step_time_mean_s=None,
+             step_time_min_s=None, step_time_max_s=None, timed_steps=None),
+    ]
+    for r in rows:
+        schema.append_row(tmp_path / "baselines2026" / "results.csv", r)
+    text, errors = build_report(tmp_path, out_path=tmp_path / "REPORT.md", log=lambda *a: None)
+    assert not errors
+    head = "#### baselines2026: qwen2.5-3b, 16×1024 tokens per step, every system against MegaTrain"
+    assert head in text
+    table = text[text.index(head):].split("\n\n")[1].splitlines()
+    names = [line.split(" | ")[0].lstrip("| ") for line in table[2:]]
+    assert names == ["MegaTrain", "All-on-GPU", "ZeRO-3", "ZenFlow", "SuperOffload", "FSDP2"]  # fastest first
+    mt, native, z3, zen, so, fsdp = table[2:]
+    ref = FLOPS / 0.75 / 1e12
+    assert f"| {ref:.1f} (" in mt and "| 1.00× |" in mt and "36/36 layers on the GPU tier, 36/36 blocks kept" in mt
+    assert f"| {0.75 / 0.82:.2f}× |" in native and "best of probe: no_ckpt/mb1" in native
+    assert f"| {0.75 / 3.0:.2f}× |" in z3 and "| 12.0 |" in z3 and "‡" not in z3
+    # ZenFlow by its mean step (4.0 s, not the 2.0 s median), marked, its staleness settings named
+    assert f"| {FLOPS / 4.0 / 1e12:.1f}§ |" in zen and f"| {0.75 / 4.0:.2f}× |" in zen
+    assert "not exact AdamW: topk_ratio 0.05, update_interval 4" in zen
+    assert f"| {FLOPS / 9.0 / 1e12:.1f}◊ (" in so and "| dae4494 ‡ |" in so  # partial, and another call
+    assert "*host OOM*" in fsdp and "| — |" in fsdp
+
+
+def test_no_table_without_a_megatrain_row(tmp_path):
+    schema.append_row(tmp_path / "baselines2026" / "results.csv", _row("zero3", 3.0))
+    text, _ = build_report(tmp_path, out_path=tmp_path / "REPORT.md", log=lambda *a: None)
+    assert "every system against MegaTrain" not in text
