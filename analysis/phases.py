@@ -13,8 +13,8 @@ the backward); ``host_update_busy_s`` is the AdamW worker's own busy time in the
 ``gpu_load_wait_s`` is GPU time, not host time: how long the compute stream stalled waiting for layer
 loads (timing events around each wait, megatrain/streams.py ``WaitTimer``). A phase much longer than its
 compute with a small GPU wait means the GPU waited for the host's launches instead. This module takes
-the median of each over a row's timed steps; the report prints them for every ok row whose own point folder has them (not an older
-run's folder left beside a row merged without one: ``analysis.steady.row_folder``).
+the median of each over a row's timed steps; the report prints them for every ok row whose own point
+folder has them (not an older run's folder left beside a row merged without one: ``steady.row_folder``).
 """
 from __future__ import annotations
 

@@ -27,7 +27,8 @@ from .figures import figures_for
 from .steady import DAGGER, FALL_TOL, mark_unsteady, unsteady_rows
 from experiments.schema import (known_sweeps, SAMPLE_GPU, SAMPLE_SHA, fill_x_from_point, formula_tflops,
                      load_results, report_errors)
-from .style import TFLOPS_FORMULA, fmt_params, fmt_tokens, on_cpu, status_short
+from .style import (PARTIAL, SECTION, TFLOPS_FORMULA, as_compared, fmt_params, fmt_tokens, on_cpu,
+                    partial_mark, status_short)
 
 SECTION_TITLES = {
     "size": "Model size (headline numbers)",
@@ -171,16 +172,9 @@ def _overlap(a, b, metric: str) -> bool | None:
     return ra[0] <= rb[1] and rb[0] <= ra[1]
 
 
-PARTIAL = "◊"  # an ok row of a point that timed out: statistics of the timed steps it finished (reason "partial")
-
-
-def _partial(r: pd.Series) -> str:
-    return PARTIAL if r.get("reason") == "partial" else ""
-
-
 def _cell(r: pd.Series, metric: str, spread: bool = False) -> str:
     if r["status"] == "ok" and pd.notna(r[metric]):
-        text = _fmt_value(float(r[metric])) + _dagger(r) + _partial(r)
+        text = _fmt_value(float(r[metric])) + _dagger(r) + partial_mark(r)
         rng = metric_range(r, metric) if spread else None
         return text + (f" ({_fmt_value(rng[0])}–{_fmt_value(rng[1])})" if rng else "")
     return f"*{status_short(r)}*"
@@ -194,24 +188,6 @@ def _ratio_cell(a, b, metric: str) -> str:
     mark = _dagger(a) or _dagger(b)
     text = f"{float(a[metric]) / float(b[metric]):.2f}×{mark}"
     return text if over is not None else text + " (no spread)"
-
-
-SECTION = "§"  # a system that is not exact AdamW, compared by its mean step (registry: exact_adamw, compare_by)
-
-
-def _as_compared(r: pd.Series, metric: str) -> pd.Series:
-    """The row as its system is compared: by the mean step time where its record says so (the metric,
-    computed on the median step, scaled by median / mean; the range is left out: it spans the waits)."""
-    rec = record(r["system"])
-    if rec.compare_by != "mean" or r["status"] != "ok":
-        return r
-    med, mean = pd.to_numeric(r.get("step_time_median_s"), errors="coerce"), pd.to_numeric(
-        r.get("step_time_mean_s"), errors="coerce")
-    out = r.copy()
-    if pd.notna(med) and pd.notna(mean) and mean > 0 and pd.notna(r[metric]):
-        out[metric] = float(r[metric]) * float(med) / float(mean)
-    out["step_time_min_s"] = out["step_time_max_s"] = float("nan")  # no spread: the range spans the waits
-    return out
 
 
 def _sweep_table(sweep: str, df: pd.DataFrame) -> list[str]:
@@ -241,7 +217,7 @@ def _sweep_table(sweep: str, df: pd.DataFrame) -> list[str]:
         line = [rk]
         for ck in order_cols:
             m = df[(df["_r"] == rk) & (df["_c"] == ck)]
-            cell = _cell(_as_compared(m.iloc[-1], metric), metric, spread=cpu) if not m.empty else ""
+            cell = _cell(as_compared(m.iloc[-1], metric), metric, spread=cpu) if not m.empty else ""
             if not m.empty and not record(m.iloc[-1]["system"]).exact_adamw and m.iloc[-1]["status"] == "ok":
                 cell += SECTION
             fv = full[full["_c"] == ck]

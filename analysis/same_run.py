@@ -17,14 +17,12 @@ import pandas as pd
 
 from baselines.registry import SYSTEMS, record
 
-from .style import row_settings, short_sha, status_short
+from .style import PARTIAL, SECTION as NOT_EXACT, as_compared, partial_mark, row_settings, short_sha, status_short
 
 SWEEPS = ("baselines2026",)          # sweeps that get the table
 REFERENCE = ("megatrain", "default")  # the row every ratio divides by
 SAME_CALL_S = 3600                    # rows written within an hour of the reference (and same SHA): one call
 OTHER_CALL = "‡"
-NOT_EXACT = "§"
-PARTIAL = "◊"
 
 
 def _num(v) -> float | None:
@@ -33,12 +31,8 @@ def _num(v) -> float | None:
 
 
 def _compared_tflops(r: pd.Series) -> float | None:
-    """TFLOPS as the system is compared: by the mean step where its record says so (ZenFlow)."""
-    t = _num(r.get("tflops"))
-    if t is None or record(r["system"]).compare_by != "mean":
-        return t
-    med, mean = _num(r.get("step_time_median_s")), _num(r.get("step_time_mean_s"))
-    return t * med / mean if med and mean else t
+    """TFLOPS as the system is compared (``style.as_compared``: by the mean step for ZenFlow)."""
+    return _num(as_compared(r, "tflops").get("tflops"))
 
 
 def _same_call(r: pd.Series, ref: pd.Series) -> bool:
@@ -94,12 +88,12 @@ def table_lines(sweep: str, df: pd.DataFrame) -> list[str]:
         for _, r in g.iterrows():
             rec = record(r["system"])
             name = rec.short + ("" if r["variant"] in ("default", "") else f" · {r['variant']}")
-            marks = (NOT_EXACT if not rec.exact_adamw else "") + (PARTIAL if r.get("reason") == "partial" else "")
+            marks = (NOT_EXACT if not rec.exact_adamw else "") + partial_mark(r)
             if r["status"] == "ok" and r["_t"] is not None and pd.notna(r["_t"]):
-                lo, hi = _num(r.get("step_time_min_s")), _num(r.get("step_time_max_s"))
+                c = as_compared(r, "tflops")  # a by-mean system has no range: it would span its waits
+                lo, hi = _num(c.get("step_time_min_s")), _num(c.get("step_time_max_s"))
                 med = _num(r.get("step_time_median_s"))
-                rng = (f" ({r['_t'] * med / hi:.0f}–{r['_t'] * med / lo:.0f})"
-                       if lo and hi and med and rec.compare_by != "mean" else "")
+                rng = f" ({r['_t'] * med / hi:.0f}–{r['_t'] * med / lo:.0f})" if lo and hi and med else ""
                 value, ratio = f"{r['_t']:.1f}{marks}{rng}", f"{r['_t'] / ref_t:.2f}×"
             else:
                 value, ratio = f"*{status_short(r)}*", "—"

@@ -3,7 +3,8 @@
 A point that times only a few steps can still be speeding up: DeepSpeed ZeRO-3's first steps run 1.5-2×
 slower than its steady state (results/size: 4.11 s then 2.51 s at the 3B shape). Its median then overstates
 the step time, and a ratio against it overstates the other system's lead. This reads the timed steps of each
-ok row from its point folder (when the folder is the row's own: ``row_folder``) (``<results>/<sweep>/<point>/metrics.jsonl``, ``warmup`` false) and flags the
+ok row from its own point folder (``<results>/<sweep>/<point>/metrics.jsonl``, ``warmup`` false; ``row_folder``
+says whether the folder is the row's own) and flags the
 row when its step times are still falling:
 
     unsteady  <=>  at least 2 timed steps  and  last timed step < (1 - FALL_TOL) x first timed step

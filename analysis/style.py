@@ -61,6 +61,29 @@ def status_short(r) -> str:
     return STATUS_SHORT.get(st, st or "?")
 
 
+SECTION = "§"  # a system that is not exact AdamW, compared by its mean step (registry: exact_adamw, compare_by)
+PARTIAL = "◊"  # an ok row of a point that timed out: statistics of the timed steps it finished (reason "partial")
+
+
+def partial_mark(r) -> str:
+    return PARTIAL if r.get("reason") == "partial" else ""
+
+
+def as_compared(r: pd.Series, metric: str) -> pd.Series:
+    """The row as its system is compared: by the mean step time where its record says so (the metric,
+    computed on the median step, scaled by median / mean; the range is left out: it spans the waits)."""
+    rec = record(r["system"])
+    if rec.compare_by != "mean" or r["status"] != "ok":
+        return r
+    med, mean = pd.to_numeric(r.get("step_time_median_s"), errors="coerce"), pd.to_numeric(
+        r.get("step_time_mean_s"), errors="coerce")
+    out = r.copy()
+    if pd.notna(med) and pd.notna(mean) and mean > 0 and pd.notna(r[metric]):
+        out[metric] = float(r[metric]) * float(med) / float(mean)
+    out["step_time_min_s"] = out["step_time_max_s"] = float("nan")  # no spread: the range spans the waits
+    return out
+
+
 def short_sha(r) -> str:
     """The first 7 characters of a row's ``git_sha``; "" where the row has none (empty or NaN)."""
     sha = r.get("git_sha")

@@ -159,6 +159,11 @@ def launch(job: Job, *, timeout: float, init_timeout: float, log=print) -> dict:
     return result
 
 
+def rerun_note(clipped: bool) -> str:
+    """What a row that a rerun retries adds to its error (clipped: the run's time_budget_s cut its timeout)."""
+    return f" ({'clipped by time_budget_s; ' if clipped else ''}a rerun retries it)"
+
+
 def partial_fields(metrics: dict, steps: int, error: str) -> dict:
     """What a timed-out point's result becomes when it finished at least ``PARTIAL_MIN_STEPS`` of its
     ``steps`` timed steps and half of them: an ok row with ``reason`` "partial", its statistics those steps'
@@ -189,12 +194,11 @@ def salvage_partial(row: dict, point_dir) -> dict | None:
     except (OSError, ValueError, TypeError, KeyError):
         return None
     metrics = summarize(read_metrics(pdir / "metrics.jsonl"), job)
-    error = row.get("error", "").split(" (clipped by time_budget_s")[0]
+    error = row.get("error", "").removesuffix(rerun_note(True))
     fields = partial_fields(metrics, job.steps, error)
     if not fields:
         return None
-    clipped = "clipped by time_budget_s; " if row.get("reason") == "budget_cut" else ""
-    return {**row, **fields, "error": fields["error"] + f" ({clipped}a rerun retries it)",
+    return {**row, **fields, "error": fields["error"] + rerun_note(row.get("reason") == "budget_cut"),
             **{k: metrics.get(k) for k in PARTIAL_COLUMNS}}
 
 

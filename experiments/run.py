@@ -239,10 +239,9 @@ def run(cfg) -> dict:
             result = L.launch(job, timeout=timeout, init_timeout=init_timeout, log=lambda m: bar.write(m))
             if result.get("status") == "timeout" and timeout < cfg.timeout_s:
                 result["reason"] = "budget_cut"
-                result["error"] += " (clipped by time_budget_s; a rerun retries it)"
+                result["error"] += L.rerun_note(clipped=True)
             elif result.get("reason") == "partial":  # an ok row from the steps it finished; not done
-                clipped = "clipped by time_budget_s; " if timeout < cfg.timeout_s else ""
-                result["error"] += f" ({clipped}a rerun retries it)"
+                result["error"] += L.rerun_note(clipped=timeout < cfg.timeout_s)
             counts["launched"] += 1
         row = schema.make_row(row=L.to_row(job, result, env))
         schema.append_row(csv_path, row)

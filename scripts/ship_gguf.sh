@@ -69,7 +69,7 @@ EOF
 
 stash_parts() {
   mkdir -p "$STASH"
-  cp -f "$DIR"/*.part* "$DIR"/PARTS.sha256 "$DIR"/SHA256SUMS "$DIR"/gguf-*.whl "$STASH"/ 2>/dev/null
+  cp -f "$DIR"/*.part* "$DIR"/PARTS.sha256 "$DIR"/SHA256SUMS "$DIR"/gguf-*.whl "$STASH"/ 2>/dev/null || true  # what was carried
   [[ -f "$STASH/PARTS.sha256" ]] || { echo "no part of $NAME on this machine (carry one with PARTS.sha256)"; return 1; }
   local have=() miss=() name
   while read -r _ name; do
@@ -84,7 +84,9 @@ stash_parts() {
 
 join_parts() {
   mkdir -p "$DIR"
-  [[ -d "$STASH" ]] && cp -n "$STASH"/*.part* "$STASH"/SHA256SUMS "$STASH"/gguf-*.whl "$DIR"/ 2>/dev/null
+  if [[ -d "$STASH" ]]; then  # the earlier calls' parts; a part carried in this call is kept as it is
+    cp -n "$STASH"/*.part* "$STASH"/SHA256SUMS "$STASH"/gguf-*.whl "$DIR"/ 2>/dev/null || true
+  fi
   [[ -f "$DIR/SHA256SUMS" ]] || { echo "error: $DIR/SHA256SUMS missing (carry it with a part)" >&2; exit 1; }
   if [[ -f "$DIR/$NAME" ]] && (cd "$DIR" && sha256sum -c --quiet SHA256SUMS); then
     echo "$DIR/$NAME already complete"
