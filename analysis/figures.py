@@ -560,6 +560,8 @@ def figures_for(sweep: str) -> list:
     """[(figure name, function(df, out, formats))] of a sweep: its own, or the generic one."""
     if sweep in FIGURES:
         return FIGURES[sweep]
+    if sweep.startswith("accuracy_sft_"):  # another machine's SFT rows: drawn like accuracy_sft's, by sft_report
+        return FIGURES["accuracy_sft"]
     return [(sweep, lambda df, out, formats, _n=sweep: fig_generic(df, out, formats, _n))]
 
 

@@ -46,15 +46,26 @@ def make_plots(results_dir, out_dir, formats=("png", "pdf"), log=print) -> tuple
             written += paths
             log(f"[ok] {', '.join(str(p) for p in paths)}")
     try:  # the SFT sweep's figure reads its point folders, not only the CSV (analysis/sft_report.py)
-        from .sft_report import plot as plot_sft
+        from .sft_report import plot as plot_sft, sweeps as sft_sweeps
 
-        paths = plot_sft(results_dir, out_dir, formats)
-        written += paths
-        if paths:
-            log(f"[ok] {', '.join(str(p) for p in paths)}")
+        for sweep in sft_sweeps(results_dir):  # one figure per machine's SFT rows
+            paths = plot_sft(results_dir, out_dir, formats, sweep=sweep)
+            written += paths
+            if paths:
+                log(f"[ok] {', '.join(str(p) for p in paths)}")
     except Exception as e:
         errors.append(f"figure 'accuracy_sft' failed: {type(e).__name__}: {e}")
         log(f"[error] {errors[-1]}")
+    for jsonl in sorted(Path(results_dir).glob("accuracy_parity*/accuracy_parity.jsonl")):  # one per machine
+        try:
+            from .accuracy import plot_accuracy
+
+            paths = plot_accuracy(jsonl, out_dir / f"{jsonl.parent.name}.png")
+            written += paths
+            log(f"[ok] {', '.join(str(p) for p in paths)}")
+        except Exception as e:
+            errors.append(f"figure '{jsonl.parent.name}' failed: {type(e).__name__}: {e}")
+            log(f"[error] {errors[-1]}")
     if not frames and not errors:
         log(f"[warn] no results CSVs under {results_dir}/<sweep>/results.csv; nothing plotted")
     return written, errors

@@ -363,12 +363,16 @@ def build_report(results_dir, claims_path=CLAIMS_PATH, plots_dir: str | Path | N
     lines += _formulas(rows if not rows.empty else pd.DataFrame(columns=["status", "tflops", "step_time_median_s"]))
 
     lines += _claims_section(claims, rows, tol, hw_names)
-    acc = Path(results_dir) / "accuracy_parity" / "accuracy_parity.jsonl"
-    if acc.exists():
-        fig = Path(plots_dir) / "accuracy_parity.png" if plots_dir else None
-        lines += accuracy.report_lines(acc, os.path.relpath(fig, out_path.parent) if fig and fig.exists() else None)
-    fig = Path(plots_dir) / f"{sft_report.SWEEP}.png" if plots_dir else None  # Table 3 on a pretrained model
-    lines += sft_report.report_lines(results_dir, os.path.relpath(fig, out_path.parent) if fig and fig.exists() else None)
+    # accuracy parity: results/accuracy_parity (the main machine), accuracy_parity_<machine> beside it
+    for acc in sorted(Path(results_dir).glob("accuracy_parity*/accuracy_parity.jsonl"),
+                      key=lambda p: (p.parent.name != "accuracy_parity", p.parent.name)):
+        fig = Path(plots_dir) / f"{acc.parent.name}.png" if plots_dir else None
+        lines += accuracy.report_lines(acc, os.path.relpath(fig, out_path.parent) if fig and fig.exists() else None,
+                                       machine_in_title=acc.parent.name != "accuracy_parity")
+    for sweep in sft_report.sweeps(results_dir):  # Table 3 on a pretrained model, one section per machine
+        fig = Path(plots_dir) / f"{sweep}.png" if plots_dir else None
+        lines += sft_report.report_lines(results_dir, os.path.relpath(fig, out_path.parent)
+                                         if fig and fig.exists() else None, sweep=sweep)
     if frames:
         lines += ["## Per-sweep results", ""]
         for sweep, df in frames.items():

@@ -16,7 +16,15 @@ from pathlib import Path
 from .sft_verdict import (ARITHMETIC, LOSS_TOL, REF_SYSTEM, agreement, arithmetic_name, by_arithmetic, curve,
                           explain, is_repeat, references)
 
-SWEEP = "accuracy_sft"
+SWEEP = "accuracy_sft"  # the main machine's rows; another machine's go to ``accuracy_sft_<machine>`` beside it
+
+
+def sweeps(results_dir) -> list[str]:
+    """The SFT sweeps under ``results_dir``: ``accuracy_sft`` first, then ``accuracy_sft_<machine>`` folders
+    (rows of one machine per folder: a run on one GPU never lands among another's, scripts/merge_results.py)."""
+    root = Path(results_dir)
+    found = sorted(p.parent.name for p in root.glob(f"{SWEEP}_*/results.csv"))
+    return ([SWEEP] if (root / SWEEP / "results.csv").exists() else []) + found
 # The same system in another variant: a shade of its colour and its own marker.
 VARIANT_STYLE = {("megatrain", "pure_streaming"): ("#F0A35E", "D"), ("megatrain", "fp32"): ("#8B3A00", "x"),
                  ("megatrain", "autocast"): ("#C45C00", "P"), ("zero3", "fp32"): ("#1F3F7A", "x"),
@@ -137,7 +145,7 @@ def _style(run: dict, i: int, n: int) -> dict:
 
 
 def plot(results_dir, out_dir, formats=("png", "pdf"), sweep: str = SWEEP) -> list[Path]:
-    """``<out>/accuracy_sft.<fmt>``: held-out loss, exact-match accuracy, gradient norm (with the clipping
+    """``<out>/<sweep>.<fmt>``: held-out loss, exact-match accuracy, gradient norm (with the clipping
     threshold), the held-out loss difference to all-on-GPU at the run's dtype (the rerun's = all-on-GPU's
     own spread) and the per-step training-loss difference on the same batch (from the first step: the
     arithmetic alone), per system. [] when the sweep has no rows."""
@@ -204,7 +212,7 @@ def plot(results_dir, out_dir, formats=("png", "pdf"), sweep: str = SWEEP) -> li
     fig.tight_layout()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"{SWEEP}.{f}" for f in formats]
+    paths = [out / f"{sweep}.{f}" for f in formats]
     for p in paths:
         from .style import save  # noqa: PLC0415
 
@@ -249,7 +257,8 @@ def report_lines(results_dir, figure: str | None = None, sweep: str = SWEEP) -> 
     task = first["sft"]
     source = Path(task.get("gguf") or task.get("model_dir") or "?").name
     n_eval = next((e.get("n") for e in first["evals"] if e.get("n")), task.get("n_eval"))
-    lines = ["## Table 3 on a pretrained model: SFT accuracy parity", "",
+    machine = "" if sweep == SWEEP else f" — {first['gpu_name'] or first['hardware']} (`results/{sweep}`)"
+    lines = [f"## Table 3 on a pretrained model: SFT accuracy parity{machine}", "",
              f"{first['model']} ({_num(float(first['num_params']) / 1e6 if first.get('num_params') else None, '.1f')}M "
              f"params; `{source}`{', de-quantized to fp32 masters' if task.get('gguf') else ''}) fine-tuned on "
              f"generated {task.get('digits', '?')}-digit '{task.get('op', '?')}' problems (\"What is 347 + 589?\" → "

@@ -251,16 +251,19 @@ def compute_dtype(dtype: str, device: str) -> str:
 
 
 # Variant keys that set a run-level field of every system alike: the batches (``data``), the compute dtype
-# (``dtype``), and ``repeat`` (changes nothing: the same run again as its own point, e.g. to measure a
-# system's run-to-run spread; without it an identical variant is skipped as a duplicate).
-VARIANT_RUN_KEYS = ("data", "dtype", "repeat")
+# (``dtype``), the gradient-accumulation split (``micro_batches``: the same step in another summation order,
+# e.g. all-on-GPU's spread at its own rounding), and ``repeat`` (changes nothing: the same run again as its
+# own point, e.g. to measure a system's run-to-run spread; without it an identical variant is skipped as a
+# duplicate).
+VARIANT_RUN_KEYS = ("data", "dtype", "micro_batches", "repeat")
 DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
 
 
 def split_variant(system: str, overrides: dict) -> tuple[dict, dict]:
     """(system options, run fields) of a variant for ``system``. ``optim.<field>`` keys change the
     optimizer of every system (e.g. ``optim.max_grad_norm: 0``, no clipping) and ``VARIANT_RUN_KEYS``
-    their batches, compute dtype or repetition (returned as ``__data__``, ``__dtype__``, ``__repeat__``); the
+    their batches, compute dtype, micro-batch split or repetition (returned as ``__data__``, ``__dtype__``,
+    ``__micro_batches__``, ``__repeat__``); the
     other keys are system
     options: a typed system (megatrain) gets them all (a typo fails in ``merge_options``), any other
     system gets none of the engine's own option names (they mean nothing to it) unless it has an option of
@@ -384,8 +387,12 @@ def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name
                                 if job_common["dtype"] not in DTYPES:
                                     raise SweepError(f"variant {variant!r}: dtype={job_common['dtype']}; valid: "
                                                      f"{', '.join(DTYPES)}")
+                                mb = int(optim_over.get("__micro_batches__", cfg.micro_batches))
+                                if not 1 <= mb <= int(batch):
+                                    raise SweepError(f"variant {variant!r}: micro_batches={mb}; valid: 1 to the "
+                                                     f"batch size ({batch})")
                                 opts = merge_options(system, sc.get("options") or {}, sys_over, variant,
-                                                     dict(run_level, optim=job_common["optim"],
+                                                     dict(run_level, optim=job_common["optim"], micro_batches=mb,
                                                           compute_dtype=compute_dtype(job_common["dtype"], device),
                                                           host_link_gbps=hwe.get("host_link_gbps")),
                                                      cli_options if cfg.system is not None
@@ -403,7 +410,8 @@ def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name
                                 points.append(Job(
                                     id=pid, sweep=sw.name, system=system, variant=variant, model=model,
                                     width=width, spec=pspec.to_dict(), num_params=spec.num_params(),
-                                    seq_len=int(seq), batch_size=int(batch), micro_batches=int(cfg.micro_batches),
+                                    seq_len=int(seq), batch_size=int(batch),
+                                    micro_batches=mb,
                                     hardware=hwe, options=opts,
                                     activation_checkpointing=bool(sc.get("activation_checkpointing", True)),
                                     factory=sc.get("factory"), sft=_container(sw.sft), **job_common,

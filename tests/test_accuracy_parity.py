@@ -135,8 +135,20 @@ def test_report_section_from_the_rows(tmp_path):
     path = tmp_path / "a.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     text = "\n".join(report_lines(path, "../plots/accuracy_parity.png"))
-    assert "| 50 | 2.5000 | 2.5000 | 2.5010 |" in text and "Verdict: **agree**" in text
+    assert "| 50 | 2.5000 | 2.5000 | 2.5010 |" in text and "Verdict (over the exact systems): **agree**" in text
     assert "zero3** vs native: largest difference 0.0010" in text and "accuracy_parity.png" in text
+    # a system that is not exact AdamW (ZenFlow) far off: measured against the tolerance, not judged by it
+    far = [{"system": "zenflow", "kind": "eval", "step": st, "eval_loss": 3.0 - st / 200, "model": "tiny",
+            "device": "cuda"} for st in (0, 50, 100)]
+    far.append({"system": "zenflow", "kind": "summary", "final_eval_loss": 2.5, "zenflow_effective":
+                {"update_interval": 4}, "notes": "bounded staleness"})
+    far.append({"system": "native", "kind": "summary", "final_eval_loss": 2.0})
+    path.write_text("\n".join(json.dumps(r) for r in rows + far) + "\n")
+    text = "\n".join(report_lines(path))
+    assert "Verdict (over the exact systems): **agree**" in text
+    assert ("zenflow** vs native: largest difference 0.5000 at step 100 (25.00%) → *not exact AdamW, not judged*: "
+            "12.5× the tolerance at its farthest; final held-out loss 2.5000 against 2.0000 (+0.5000); settings as "
+            "run: update_interval 4 (bounded staleness)") in text
     rows[4]["eval_loss"] += 0.5  # megatrain at step 50
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    assert "Verdict: **disagree**" in "\n".join(report_lines(path))
+    assert "Verdict (over the exact systems): **disagree**" in "\n".join(report_lines(path))

@@ -180,8 +180,8 @@ def test_accuracy_sft_sweep_on_cpu(model_dir, tmp_path):
     points = sorted(p for p in sweep.iterdir() if p.is_dir())
     assert [p.name.split("__")[0] + "/" + p.name.split("__")[-2] for p in points] == [
         "megatrain/autocast", "megatrain/default", "megatrain/fp32", "megatrain/pure_streaming",
-        "megatrain/streaming_autocast", "native/default", "native/fp32",
-        "native/rerun", "native/rerun_ulp"]
+        "megatrain/streaming_autocast", "megatrain/streaming_fp32", "native/default", "native/fp32",
+        "native/rerun", "native/rerun_mb2", "native/rerun_ulp"]
     runs = {}
     for p in points:
         rows = [json.loads(line) for line in (p / "sft.jsonl").read_text().splitlines()]
@@ -195,15 +195,17 @@ def test_accuracy_sft_sweep_on_cpu(model_dir, tmp_path):
     assert [r["loss"] for r in rerun_steps] == [r["loss"] for r in ref_steps]
     assert [r["eval_loss"] for r in rerun_rows[:-1]] == [r["eval_loss"] for r in ref_rows[:-1]]
     # autocast: on the CPU the compute dtype is fp32, so mixed_precision=autocast is plain fp32 there
+    # (native/rerun_mb2: the same step in 2 micro-batches, answer-token losses weighted by their tokens)
     for name in ("megatrain/default", "megatrain/fp32", "megatrain/pure_streaming", "megatrain/autocast",
-                 "megatrain/streaming_autocast"):
+                 "megatrain/streaming_autocast", "megatrain/streaming_fp32", "native/rerun_mb2"):
         rows, steps = runs[name]
         assert rows[0]["eval_loss"] == ref_rows[0]["eval_loss"]  # same weights in, same evaluation
         for a, b in zip(steps, ref_steps):
             assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-4
         for a, b in zip(rows[:-1], ref_rows[:-1]):
             assert abs(a["eval_loss"] - b["eval_loss"]) < 1e-5
-        assert "speculated" in steps[0] and "speculated_fraction" in rows[-1]
+        if name.startswith("megatrain/"):
+            assert "speculated" in steps[0] and "speculated_fraction" in rows[-1]
     report = (tmp_path / "REPORT.md").read_text()
     assert "## Table 3 on a pretrained model" in report and "Verdict: **agree**" in report
     assert re.search(r"all-on-GPU vs all-on-GPU 0\.\d{4} nats \(step \d+, .*\[rerun", report)  # the spread
@@ -211,7 +213,7 @@ def test_accuracy_sft_sweep_on_cpu(model_dir, tmp_path):
     assert (tmp_path / "cache" / "gguf").is_dir()  # converted once into the cache
 
 
-def test_accuracy_sft_sweep_expands_to_its_eleven_points(tmp_path):
+def test_accuracy_sft_sweep_expands_to_its_thirteen_points(tmp_path):
     """Same data and optimizer for every point; the rerun (all-on-GPU again, nothing changed) and the fp32
     points (all-on-GPU, MegaTrain, ZeRO-3) are points of their own, run variant by variant; pure streaming and
     autocast (mixed_precision) only for MegaTrain; a bad variant dtype and a missing GGUF are refused before
@@ -237,7 +239,11 @@ def test_accuracy_sft_sweep_expands_to_its_eleven_points(tmp_path):
         ("native", "default", "auto"), ("megatrain", "default", "auto"), ("zero3", "default", "auto"),
         ("native", "rerun", "auto"), ("native", "rerun_ulp", "auto"), ("native", "fp32", "fp32"),
         ("megatrain", "fp32", "fp32"), ("zero3", "fp32", "fp32"), ("megatrain", "pure_streaming", "auto"),
-        ("megatrain", "autocast", "auto"), ("megatrain", "streaming_autocast", "auto")]
+        ("megatrain", "autocast", "auto"), ("megatrain", "streaming_autocast", "auto"),
+        ("native", "rerun_mb2", "auto"), ("megatrain", "streaming_fp32", "fp32")]
+    assert [j.micro_batches for j in jobs] == [1] * 11 + [2, 1]  # rerun_mb2: the same step in two halves
+    assert jobs[11].options == jobs[0].options and jobs[11].optim == jobs[0].optim
+    assert jobs[12].options.gpu_resident == "0" and jobs[12].options.compute_dtype == jobs[6].options.compute_dtype
     assert jobs[10].options.gpu_resident == "0" and jobs[10].options.mixed_precision == "autocast"
     assert jobs[8].options.gpu_resident == "0" and jobs[1].options.gpu_resident == "auto"
     # autocast changes the engine's mixed precision only
@@ -256,6 +262,8 @@ def test_accuracy_sft_sweep_expands_to_its_eleven_points(tmp_path):
     assert jobs[0].num_params == 134_515_008  # the smollm2-135m preset = the GGUF's model
     with pytest.raises(sweeps.SweepError, match="dtype=fp33"):
         expand("+sweep.variants.bad={dtype: fp33}")
+    with pytest.raises(sweeps.SweepError, match="micro_batches=128; valid: 1 to the batch size"):
+        expand("+sweep.variants.bad={micro_batches: 128}")
 
     missing = dataclasses.replace(jobs[0], sft=dict(jobs[0].sft, gguf=str(tmp_path / "none.gguf")))
     assert "ship_gguf.sh" in sweeps.invalid_reason(missing)
