@@ -5,7 +5,8 @@ the activations fit without it, nor split the step into more micro-batches than 
 16×1024 on the H200, HF *without* checkpointing in 2 micro-batches ran 381 TFLOPS against 321 with
 checkpointing in one. ``choose_config`` tries, on the real step shape:
 
-1. no checkpointing with 1, 2, 4, ... micro-batches (the largest micro-batch first; the first that fits
+1. no checkpointing with 1, 2, 4, ... micro-batches (from the run's own ``micro_batches`` up: a run that
+   asks for a split keeps at least that split) (the largest micro-batch first; the first that fits
    is kept: more micro-batches only add launches and smaller matmuls);
 2. checkpointing with 1, 2, 4, ... micro-batches the same way (skipped when no-checkpointing fitted in
    one micro-batch: recompute could only add time then);
@@ -47,9 +48,11 @@ class Candidate:
         return f"{'ckpt' if self.activation_checkpointing else 'no_ckpt'}/mb{self.micro_batches}"
 
 
-def micro_batch_choices(rows: int, limit: int = 64) -> list[int]:
-    """1, 2, 4, ... up to the batch's row count (each micro-batch keeps at least one row)."""
-    out, m = [], 1
+def micro_batch_choices(rows: int, limit: int = 64, least: int = 1) -> list[int]:
+    """``least``, 2×``least``, 4×``least``, ... up to the batch's row count (each micro-batch keeps at least
+    one row). ``least`` is the run's own split: a run that asks for 2 micro-batches (micro-batches of at most
+    half the rows, e.g. to measure another summation order) is never probed into one."""
+    out, m = [], max(1, int(least))
     while m <= min(rows, limit):
         out.append(m)
         m *= 2
@@ -120,7 +123,7 @@ def _try(system, cand: Candidate, batch: dict, steps: int) -> None:
 
 
 def choose_config(system, rows: int, seq: int, vocab: int, *, steps: int = 2,
-                  micro_batches: list[int] | None = None) -> dict:
+                  micro_batches: list[int] | None = None, least: int = 1) -> dict:
     """Probe the candidates on a (rows x seq) batch, leave ``system`` set to the winner, return the record
     for ``info`` (winner, every candidate tried, the probe's wall time). Raises the system's OutOfMemory
     (kind gpu) when no candidate fits."""
@@ -128,17 +131,18 @@ def choose_config(system, rows: int, seq: int, vocab: int, *, steps: int = 2,
 
     if steps < 1:
         raise ValueError(f"auto_config probe_steps must be >= 1, got {steps}")
-    choices = [m for m in (micro_batches or micro_batch_choices(rows)) if 1 <= m <= rows]
+    choices = [m for m in (micro_batches or micro_batch_choices(rows, least=least)) if 1 <= m <= rows]
     if not choices:
         raise ValueError(f"no micro-batch count in {micro_batches} fits a batch of {rows} rows")
     batch = probe_batch(rows, seq, vocab, system.device)
     tried: list[Candidate] = []
     t_start = time.perf_counter()
     for ckpt in (False, True):
-        if ckpt and tried and tried[-1].status == "ok" and tried[-1].micro_batches == 1 \
+        if ckpt and tried and tried[-1].status == "ok" and tried[-1].micro_batches == choices[0] \
                 and not tried[-1].activation_checkpointing:
-            tried.append(Candidate(True, 1, "skipped", detail="no checkpointing fitted in one micro-batch; "
-                                                              "recompute can only add time"))
+            tried.append(Candidate(True, choices[0], "skipped",
+                                   detail=f"no checkpointing fitted in {choices[0]} micro-batch(es), the fewest "
+                                          "tried; recompute can only add time"))
             break
         for mb in choices:
             cand = Candidate(ckpt, mb)

@@ -7,7 +7,7 @@ torch's default (foreach) AdamW.
 
 ``options["auto_config"]`` (True, False, or "cuda" = on for CUDA only; the sweeps' ``conf/system/native.yaml``
 sets "cuda"): before training, pick the fastest configuration that fits the step (with or without HF
-checkpointing, and the micro-batch split) by a short probe at learning rate 0 (``baselines/autoconfig.py``);
+checkpointing, and the micro-batch split, never fewer micro-batches than the run asks for) by a short probe at learning rate 0 (``baselines/autoconfig.py``);
 the row's ``settings`` say which won (``activation_checkpointing``, ``micro_batches``) and list every
 candidate tried with its step time or its out-of-memory. False keeps the run's own settings (the
 behaviour before issue 24).
@@ -29,7 +29,8 @@ OPTIONS = dict(
     fused_adamw=None,  # None = fused on CUDA, foreach on CPU
     auto_config=False,  # True | False | "cuda": probe the best checkpointing / micro-batch split first
     probe_steps=2,  # auto_config: steps per candidate (the last one is timed)
-    auto_micro_batches=None,  # auto_config: micro-batch counts to try (None: 1, 2, 4, ... up to the rows)
+    auto_micro_batches=None,  # auto_config: micro-batch counts to try (None: the run's micro_batches, then
+    #                           twice that, ... up to the rows: an asked-for split is a floor)
 )
 
 
@@ -79,7 +80,7 @@ class NativeSystem(BaselineSystem):
         opts = self._auto_opts
         before = {"activation_checkpointing": self.activation_checkpointing, "micro_batches": self.micro_batches}
         record = choose_config(self, rows, seq, self.model.lm.config.vocab_size, steps=int(opts["probe_steps"]),
-                               micro_batches=opts["auto_micro_batches"])
+                               micro_batches=opts["auto_micro_batches"], least=self.micro_batches)
         record["requested"] = before
         self.info["auto_config"] = record
         self.info["activation_checkpointing"] = self.activation_checkpointing

@@ -71,10 +71,10 @@ def _ckpt_on(system) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) for m in system.model.lm.modules())
 
 
-def _build(init_dir, **options):
+def _build(init_dir, micro_batches=1, **options):
     from baselines import build_system
 
-    return build_system("native", init_dir=init_dir, optim=OPTIM, micro_batches=2, device="cpu",
+    return build_system("native", init_dir=init_dir, optim=OPTIM, micro_batches=micro_batches, device="cpu",
                         dtype=torch.float32, options=dict(CPU_OPTIONS, auto_config=True, **options),
                         step_shape=(ROWS, SEQ))
 
@@ -91,7 +91,7 @@ def test_no_checkpointing_ooms_then_checkpointing_wins(init_dirs, monkeypatch):
         assert keys == [("no_ckpt/mb1", "gpu_oom"), ("no_ckpt/mb2", "gpu_oom"), ("no_ckpt/mb4", "gpu_oom"),
                         ("ckpt/mb1", "ok")], keys
         assert rec["winner"] == "ckpt/mb1" and rec["requested"] == {"activation_checkpointing": True,
-                                                                      "micro_batches": 2}
+                                                                      "micro_batches": 1}
         assert all("CUDA out of memory" in c["detail"] for c in rec["candidates"][:3])
         settings = system.info["settings"]
         assert settings["activation_checkpointing"] is True and settings["micro_batches"] == 1
@@ -146,6 +146,24 @@ def test_checkpointing_skipped_when_one_micro_batch_fits(init_dirs):
         system.close()
 
 
+def test_an_asked_for_split_is_a_floor(init_dirs):
+    """A run that asks for 2 micro-batches (e.g. all-on-GPU's spread in another summation order) is never
+    probed into 1: the probe starts at 2, and the run trains in 2, equal to a plain 2-micro-batch run.
+    (On the H200 the probe once turned such a variant back into one micro-batch, a plain rerun.)"""
+    system = _build(init_dirs[PRESET], micro_batches=2)
+    try:
+        rec = system.info["auto_config"]
+        assert [(c["key"], c["status"]) for c in rec["candidates"]] == [("no_ckpt/mb2", "ok"), ("ckpt/mb2", "skipped")]
+        assert rec["winner"] == "no_ckpt/mb2" and system.micro_batches == 2
+        assert rec["requested"]["micro_batches"] == 2 and system.info["settings"]["micro_batches"] == 2
+        data = batches(PRESET)
+        results = [system.step(b) for b in data]
+    finally:
+        system.close()
+    ref, *_ = run_system("native", init_dirs[PRESET], data, micro_batches=2)
+    assert_losses_close([r.loss for r in results], [r.loss for r in ref], 1e-6, "floored auto-config vs plain mb2")
+
+
 def test_nothing_fits_is_a_gpu_oom(init_dirs, monkeypatch):
     from baselines import OutOfMemory
 
@@ -196,5 +214,6 @@ def test_without_a_step_shape_the_first_batch_is_probed(init_dirs):
         assert system.info["auto_config"]["probe_shape"] == [ROWS, SEQ]
     finally:
         system.close()
-    ref, *_ = run_system("native", init_dirs[PRESET], data, micro_batches=1, options={})
+    assert system.info["auto_config"]["winner"] == "no_ckpt/mb2"  # the asked-for split of 2 is kept
+    ref, *_ = run_system("native", init_dirs[PRESET], data, micro_batches=2, options={})
     assert_losses_close([r.loss for r in results], [r.loss for r in ref], 1e-6, "lazy auto-config vs plain")

@@ -181,7 +181,7 @@ def test_accuracy_sft_sweep_on_cpu(model_dir, tmp_path):
     assert [p.name.split("__")[0] + "/" + p.name.split("__")[-2] for p in points] == [
         "megatrain/autocast", "megatrain/default", "megatrain/fp32", "megatrain/pure_streaming",
         "megatrain/streaming_autocast", "megatrain/streaming_fp32", "native/default", "native/fp32",
-        "native/rerun", "native/rerun_mb2", "native/rerun_ulp"]
+        "native/rerun", "native/rerun_mb2", "native/rerun_mb4", "native/rerun_ulp"]
     runs = {}
     for p in points:
         rows = [json.loads(line) for line in (p / "sft.jsonl").read_text().splitlines()]
@@ -197,7 +197,8 @@ def test_accuracy_sft_sweep_on_cpu(model_dir, tmp_path):
     # autocast: on the CPU the compute dtype is fp32, so mixed_precision=autocast is plain fp32 there
     # (native/rerun_mb2: the same step in 2 micro-batches, answer-token losses weighted by their tokens)
     for name in ("megatrain/default", "megatrain/fp32", "megatrain/pure_streaming", "megatrain/autocast",
-                 "megatrain/streaming_autocast", "megatrain/streaming_fp32", "native/rerun_mb2"):
+                 "megatrain/streaming_autocast", "megatrain/streaming_fp32", "native/rerun_mb2",
+                 "native/rerun_mb4"):
         rows, steps = runs[name]
         assert rows[0]["eval_loss"] == ref_rows[0]["eval_loss"]  # same weights in, same evaluation
         for a, b in zip(steps, ref_steps):
@@ -213,7 +214,7 @@ def test_accuracy_sft_sweep_on_cpu(model_dir, tmp_path):
     assert (tmp_path / "cache" / "gguf").is_dir()  # converted once into the cache
 
 
-def test_accuracy_sft_sweep_expands_to_its_thirteen_points(tmp_path):
+def test_accuracy_sft_sweep_expands_to_its_fourteen_points(tmp_path):
     """Same data and optimizer for every point; the rerun (all-on-GPU again, nothing changed) and the fp32
     points (all-on-GPU, MegaTrain, ZeRO-3) are points of their own, run variant by variant; pure streaming and
     autocast (mixed_precision) only for MegaTrain; a bad variant dtype and a missing GGUF are refused before
@@ -240,10 +241,12 @@ def test_accuracy_sft_sweep_expands_to_its_thirteen_points(tmp_path):
         ("native", "rerun", "auto"), ("native", "rerun_ulp", "auto"), ("native", "fp32", "fp32"),
         ("megatrain", "fp32", "fp32"), ("zero3", "fp32", "fp32"), ("megatrain", "pure_streaming", "auto"),
         ("megatrain", "autocast", "auto"), ("megatrain", "streaming_autocast", "auto"),
-        ("native", "rerun_mb2", "auto"), ("megatrain", "streaming_fp32", "fp32")]
-    assert [j.micro_batches for j in jobs] == [1] * 11 + [2, 1]  # rerun_mb2: the same step in two halves
+        ("native", "rerun_mb2", "auto"), ("native", "rerun_mb4", "auto"), ("megatrain", "streaming_fp32", "fp32")]
+    # rerun_mb2 / rerun_mb4: the same step in two halves / four quarters
+    assert [j.micro_batches for j in jobs] == [1] * 11 + [2, 4, 1]
     assert jobs[11].options == jobs[0].options and jobs[11].optim == jobs[0].optim
-    assert jobs[12].options.gpu_resident == "0" and jobs[12].options.compute_dtype == jobs[6].options.compute_dtype
+    assert jobs[12].options == jobs[0].options and jobs[12].optim == jobs[0].optim
+    assert jobs[13].options.gpu_resident == "0" and jobs[13].options.compute_dtype == jobs[6].options.compute_dtype
     assert jobs[10].options.gpu_resident == "0" and jobs[10].options.mixed_precision == "autocast"
     assert jobs[8].options.gpu_resident == "0" and jobs[1].options.gpu_resident == "auto"
     # autocast changes the engine's mixed precision only
