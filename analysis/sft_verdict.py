@@ -13,9 +13,13 @@ A run: ``{"system", "variant", "label", "status", "dtype", "evals": [{"step", "e
   (GPU nondeterminism, or an ulp, amplified by training); with several, the farthest.
 * **Verdict** of an exact system: ``agree`` when its held-out loss is within ``LOSS_TOL`` nats of the
   reference at every evaluation and its final exact match within ``ACC_TOL`` (the issue's target);
-  else ``agree within run-to-run spread`` when its largest gap is no larger than the reference's against
-  itself (and its accuracy gap within 1 point or the spread's); else ``disagree``. Both numbers are always
-  stated. A system that is not exact AdamW (``NOT_EXACT``) gets no verdict, only where it lands.
+  else ``agree within run-to-run spread`` when its accuracy gap is within 1 point or the spread's and
+  either its largest held-out gap is no larger than the reference's against itself, or its **whole-run**
+  gap is: the RMS over every step of (its training loss − the reference's), no larger than the largest such
+  RMS of a repeat (``train_rms``; 100 paired steps against the 4 evaluations of the held-out test, which
+  can catch a transient bump that repeats show at other steps; a bit-identical repeat, RMS 0, measures
+  determinism, not a spread, and does not count); else ``disagree``. Every number is always stated, and
+  which test passed. A system that is not exact AdamW (``NOT_EXACT``) gets no verdict, only where it lands.
 * **Arithmetic** (``run["arithmetic"]``, a key of ``ARITHMETIC``, from the row's fields:
   ``analysis.sft_report.run_arithmetic``): how the run computed at its dtype. It does not change the rule;
   it says what a gap can come from. A bf16 run whose arithmetic is the reference's own (MegaTrain with
@@ -76,6 +80,18 @@ def _step0(run: dict, base: dict) -> tuple[float | None, float | None]:
     return dloss, dnorm
 
 
+def train_gap(run: dict, base: dict) -> tuple[float | None, float | None]:
+    """(RMS, mean) over the steps both ran of (run's training loss − base's): how far the two trajectories are
+    apart along the whole run, and whether one trains systematically better or worse (None: no common step)."""
+    bl = {int(r["step"]): float(r["loss"]) for r in base.get("steps") or [] if r.get("loss") is not None}
+    d = [float(r["loss"]) - bl[int(r["step"])] for r in run.get("steps") or []
+         if r.get("loss") is not None and int(r["step"]) in bl]
+    d = [x for x in d if math.isfinite(x)]
+    if not d:
+        return None, None
+    return math.sqrt(sum(x * x for x in d) / len(d)), sum(d) / len(d)
+
+
 def compare(run: dict, base: dict) -> dict:
     """``run`` against ``base`` over their common evaluations: the largest |held-out loss difference| and its
     step, the final exact-match difference (run − base), the base's evaluations the run lacks, and the
@@ -85,7 +101,9 @@ def compare(run: dict, base: dict) -> dict:
     worst = max(devs, key=lambda s: (not math.isfinite(devs[s]), devs[s], s), default=None)  # ties: the latest
     acc, bacc = run.get("summary", {}).get("exact_match_after"), base.get("summary", {}).get("exact_match_after")
     d0, n0 = _step0(run, base)
+    rms, bias = train_gap(run, base)
     return {"max_loss_dev": devs[worst] if worst is not None else None, "at_step": worst,
+            "train_rms": rms, "train_bias": bias,
             "acc_dev": (acc - bacc) if (acc is not None and bacc is not None) else None,
             "missing_steps": sorted(set(bl) - set(loss)), "step0_loss_dev": d0, "step0_norm_rel": n0,
             "steps": len(run.get("steps") or []), "ref_steps": len(base.get("steps") or [])}
@@ -105,13 +123,28 @@ def meets_target(cmp: dict) -> bool | None:
     return cmp["max_loss_dev"] <= LOSS_TOL and abs(cmp["acc_dev"]) <= ACC_TOL + 1e-12
 
 
-def within_spread(cmp: dict, spread: dict | None) -> bool | None:
-    """No farther from the reference than all-on-GPU from itself (loss), its accuracy gap within 1 point or
-    the spread's (None: not comparable, or no spread measured at this dtype)."""
+def spread_tests(cmp: dict, spread: dict | None) -> dict:
+    """The two spread tests of an exact run: ``heldout`` (its largest held-out gap no larger than all-on-GPU's
+    from itself), ``whole_run`` (its training-loss RMS no larger than a repeat's largest; None where no repeat
+    moved) and ``accuracy`` (its accuracy gap within 1 point or the spread's). None: not comparable or no
+    spread measured at this dtype."""
+    none = {"heldout": None, "whole_run": None, "accuracy": None}
     if not comparable(cmp) or spread is None or spread.get("max_loss_dev") is None or spread.get("acc_dev") is None:
+        return none
+    sr, r = spread.get("train_rms"), cmp.get("train_rms")
+    return {"heldout": cmp["max_loss_dev"] <= spread["max_loss_dev"],
+            "whole_run": (r <= sr) if (sr and r is not None) else None,
+            "accuracy": abs(cmp["acc_dev"]) <= max(ACC_TOL, abs(spread["acc_dev"])) + 1e-12}
+
+
+def within_spread(cmp: dict, spread: dict | None) -> bool | None:
+    """No farther from the reference than all-on-GPU from itself, by the held-out test or the whole-run one,
+    with its accuracy gap within 1 point or the spread's (None: not comparable, or no spread measured at
+    this dtype)."""
+    t = spread_tests(cmp, spread)
+    if t["heldout"] is None:
         return None
-    return (cmp["max_loss_dev"] <= spread["max_loss_dev"]
-            and abs(cmp["acc_dev"]) <= max(ACC_TOL, abs(spread["acc_dev"])) + 1e-12)
+    return bool(t["accuracy"] and (t["heldout"] or t["whole_run"]))
 
 
 def judge(cmp: dict, spread: dict | None, status: str = "ok") -> str:
@@ -156,10 +189,17 @@ def agreement(runs: list[dict]) -> dict:
                 # several repeats: the spread is the farthest all-on-GPU landed from itself (loss and accuracy)
                 old = spread.get(run["dtype"])
                 if old is None or cmp["max_loss_dev"] > old["max_loss_dev"]:
-                    spread[run["dtype"]] = dict(cmp, label=run["label"],
-                                                acc_dev=max(cmp["acc_dev"], old["acc_dev"] if old else 0.0, key=abs))
+                    new = dict(cmp, label=run["label"],
+                               acc_dev=max(cmp["acc_dev"], old["acc_dev"] if old else 0.0, key=abs))
+                    if old is not None:  # the whole-run spread is the largest RMS, whichever repeat has it
+                        new["train_rms"], new["train_label"] = old["train_rms"], old["train_label"]
+                    else:
+                        new["train_rms"], new["train_label"] = 0.0, ""
+                    spread[run["dtype"]] = old = new
                 else:
                     old["acc_dev"] = max(old["acc_dev"], cmp["acc_dev"], key=abs)
+                if (cmp["train_rms"] or 0.0) > old["train_rms"]:
+                    old["train_rms"], old["train_label"] = cmp["train_rms"], run["label"]
             out[run["label"]] = dict(cmp, dtype=run["dtype"], role="spread", verdict="")
     for run in runs:
         base = refs.get(run["dtype"])
@@ -180,7 +220,8 @@ def agreement(runs: list[dict]) -> dict:
             out[run["label"]] = dict(cmp, dtype=run["dtype"], role="exact",
                                      verdict=judge(cmp, sp, run["status"]),
                                      target=meets_target(cmp) if ok else None,
-                                     within_spread=within_spread(cmp, sp) if ok else None)
+                                     within_spread=within_spread(cmp, sp) if ok else None,
+                                     spread_tests=spread_tests(cmp, sp) if ok else None)
     for dtype, base in refs.items():
         out[base["label"]] = {"dtype": dtype, "role": "reference", "verdict": "reference", "max_loss_dev": None,
                               "at_step": None, "acc_dev": None, "arithmetic": base.get("arithmetic") or ""}
@@ -242,14 +283,32 @@ def explain(result: dict, runs: list[dict]) -> list[str]:
         if v["role"] == "exact":
             target = "; issue target (≤ {} nats, ≤ 1 point) {}".format(
                 LOSS_TOL, _yes(v.get("target"), "met", "missed", "not comparable"))
+        whole = ""
+        if v.get("train_rms") is not None:
+            whole = (f", training loss {_nats(v['train_rms'])} RMS from all-on-GPU's over the run "
+                     f"(mean {v['train_bias']:+.4f})")
         if sp is None:
             against = f"all-on-GPU vs itself not measured at {v['dtype']}"
         else:
             against = (f"all-on-GPU vs all-on-GPU {_nats(sp['max_loss_dev'])} nats (step {sp['at_step']}, "
                        f"{sp['label']}), {100 * sp['acc_dev']:+.1f} points")
+            if sp.get("train_rms"):
+                against += f", training loss {_nats(sp['train_rms'])} RMS ({sp['train_label']})"
             if v["role"] == "exact":
-                against += _yes(v.get("within_spread"), ": within it", ": beyond it", "")
-        lines.append(f"- {run['label']} ({how}): {gap}{acc}{target}; {against} → **{v['verdict']}**.")
+                t = v.get("spread_tests") or {}
+                if t.get("heldout") is None:
+                    pass
+                else:
+                    if t["heldout"]:
+                        loss = "within it"
+                    elif t.get("whole_run"):
+                        loss = "held-out beyond it, the whole run within it"
+                    else:
+                        loss = "beyond it" + (" (held-out and whole run)" if t.get("whole_run") is False else "")
+                    against += f": {loss}" + ("" if t.get("accuracy") else ", accuracy beyond it too"
+                                              if not (t["heldout"] or t.get("whole_run")) else
+                                              ", but accuracy beyond it")
+        lines.append(f"- {run['label']} ({how}): {gap}{acc}{whole}{target}; {against} → **{v['verdict']}**.")
     # What bf16 itself does to all-on-GPU (a yardstick for the bf16 gaps above)
     refs = {r["dtype"]: r for r in runs if result["refs"].get(r["dtype"]) == r["label"]}
     if "bf16" in refs and "fp32" in refs:

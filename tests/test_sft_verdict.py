@@ -250,3 +250,50 @@ def test_report_section_states_arithmetic_and_what_it_reproduces(monkeypatch):
     assert "Model size: the paper's 7B and 14B models, here 135M" in text
     assert "here 20000 generated problems of which 6,400 (100 steps × 64, 0.32 epochs) are seen" in text
     assert "Training length: here 100 steps" in text and "MetaMathQA" in text and "GSM8K" in text
+
+
+def _with_train(r, deltas):
+    """``r`` with its training losses moved by ``deltas`` (one per step, cycled) from the reference's 1.0."""
+    for i, st in enumerate(r["steps"][1:], start=1):
+        st["loss"] = 1.0 + deltas[i % len(deltas)]
+    return r
+
+
+def test_whole_run_test_rescues_a_one_evaluation_bump_and_says_so():
+    """Held-out beyond the spread at one evaluation (0.05 > 0.02), but its training losses no farther from the
+    reference over the run than a rerun's (RMS 0.02 <= 0.03): agree within run-to-run spread, by the whole
+    run; a bit-identical rerun (RMS 0) does not set the whole-run spread."""
+    runs = [run("native"), _with_train(run("megatrain", offsets={25: 0.05}), [0.02, -0.02]),
+            run("native", "rerun"), _with_train(run("native", "rerun_mb2", offsets={50: 0.02}), [0.03, -0.03])]
+    res = V.agreement(runs)
+    sp = res["spread"]["bf16"]
+    assert sp["train_rms"] == pytest.approx(0.03 * (99 / 100) ** 0.5) and sp["train_label"] == "native/rerun_mb2"
+    v = res["runs"]["megatrain/default"]
+    assert v["train_rms"] == pytest.approx(0.02 * (99 / 100) ** 0.5) and abs(v["train_bias"]) < 1e-3
+    assert v["spread_tests"] == {"heldout": False, "whole_run": True, "accuracy": True}
+    assert v["verdict"] == V.WITHIN_SPREAD
+    line = next(ln for ln in V.explain(res, runs) if ln.startswith("- megatrain/default"))
+    assert "held-out beyond it, the whole run within it → **agree within run-to-run spread**" in line
+    assert "training loss 0.0298 RMS (native/rerun_mb2)" in line
+    # farther over the whole run too: disagree, both tests named
+    runs[1] = _with_train(run("megatrain", offsets={25: 0.05}), [0.05, -0.05])
+    res = V.agreement(runs)
+    assert res["runs"]["megatrain/default"]["verdict"] == V.DISAGREE
+    line = next(ln for ln in V.explain(res, runs) if ln.startswith("- megatrain/default"))
+    assert "beyond it (held-out and whole run) → **disagree**" in line
+
+
+def test_only_bit_identical_reruns_leave_the_whole_run_test_unmeasured():
+    runs = [run("native"), _with_train(run("megatrain", offsets={25: 0.05}), [0.001]),
+            run("native", "rerun", offsets={50: 0.01})]
+    v = V.agreement(runs)["runs"]["megatrain/default"]
+    assert v["spread_tests"]["whole_run"] is None and v["verdict"] == V.DISAGREE
+
+
+def test_a_row_that_trained_in_another_split_says_so():
+    from analysis.sft_report import split_note
+
+    info = lambda mb: {"system_info": {"settings": {"micro_batches": mb}}}  # noqa: E731
+    assert split_note({"micro_batches": 2}, info(1)) == " (ran in 1 micro-batch, not 2)"
+    assert split_note({"micro_batches": 1}, info(4)) == " (ran in 4 micro-batches, not 1)"
+    assert split_note({"micro_batches": 2}, info(2)) == "" and split_note({"micro_batches": 2}, {}) == ""
