@@ -179,6 +179,7 @@ def agreement(runs: list[dict]) -> dict:
     if not refs:
         return {"verdict": "no reference", "refs": {}, "spread": {}, "runs": {}}
     spread: dict[str, dict] = {}
+    whole_run: dict[str, list[tuple[float, str]]] = {}  # dtype: (training-loss RMS, label) of each repeat
     out: dict[str, dict] = {}
     for run in runs:  # the repeats first: every exact run of the dtype is held against them
         base = refs.get(run["dtype"])
@@ -189,18 +190,14 @@ def agreement(runs: list[dict]) -> dict:
                 # several repeats: the spread is the farthest all-on-GPU landed from itself (loss and accuracy)
                 old = spread.get(run["dtype"])
                 if old is None or cmp["max_loss_dev"] > old["max_loss_dev"]:
-                    new = dict(cmp, label=run["label"],
-                               acc_dev=max(cmp["acc_dev"], old["acc_dev"] if old else 0.0, key=abs))
-                    if old is not None:  # the whole-run spread is the largest RMS, whichever repeat has it
-                        new["train_rms"], new["train_label"] = old["train_rms"], old["train_label"]
-                    else:
-                        new["train_rms"], new["train_label"] = 0.0, ""
-                    spread[run["dtype"]] = old = new
+                    spread[run["dtype"]] = dict(cmp, label=run["label"],
+                                                acc_dev=max(cmp["acc_dev"], old["acc_dev"] if old else 0.0, key=abs))
                 else:
                     old["acc_dev"] = max(old["acc_dev"], cmp["acc_dev"], key=abs)
-                if (cmp["train_rms"] or 0.0) > old["train_rms"]:
-                    old["train_rms"], old["train_label"] = cmp["train_rms"], run["label"]
+                whole_run.setdefault(run["dtype"], []).append((cmp["train_rms"] or 0.0, run["label"]))
             out[run["label"]] = dict(cmp, dtype=run["dtype"], role="spread", verdict="")
+    for dtype, sp in spread.items():  # the whole-run spread: the largest RMS of any repeat, whichever it is
+        sp["train_rms"], sp["train_label"] = max(whole_run[dtype])
     for run in runs:
         base = refs.get(run["dtype"])
         if run is base or run["label"] in out:
@@ -257,6 +254,23 @@ def _yes(x, yes: str, no: str, unknown: str) -> str:
     return unknown if x is None else (yes if x else no)
 
 
+def _spread_words(t: dict) -> str:
+    """``: within it`` / ``: held-out beyond it, the whole run within it`` / ``: beyond it ...``, plus the
+    accuracy where it fails (``""`` where no spread test ran)."""
+    if t.get("heldout") is None:
+        return ""
+    loss_ok = t["heldout"] or t.get("whole_run")
+    if t["heldout"]:
+        words = "within it"
+    elif t.get("whole_run"):
+        words = "held-out beyond it, the whole run within it"
+    else:
+        words = "beyond it" + (" (held-out and whole run)" if t.get("whole_run") is False else "")
+    if not t.get("accuracy"):
+        words += ", but accuracy beyond it" if loss_ok else ", accuracy beyond it too"
+    return ": " + words
+
+
 def explain(result: dict, runs: list[dict]) -> list[str]:
     """One sentence per exact run: its dtype and arithmetic, its gap (nats, at which step; accuracy points),
     whether that meets the issue's target, beside all-on-GPU's own spread at that dtype (or that none was
@@ -295,19 +309,7 @@ def explain(result: dict, runs: list[dict]) -> list[str]:
             if sp.get("train_rms"):
                 against += f", training loss {_nats(sp['train_rms'])} RMS ({sp['train_label']})"
             if v["role"] == "exact":
-                t = v.get("spread_tests") or {}
-                if t.get("heldout") is None:
-                    pass
-                else:
-                    if t["heldout"]:
-                        loss = "within it"
-                    elif t.get("whole_run"):
-                        loss = "held-out beyond it, the whole run within it"
-                    else:
-                        loss = "beyond it" + (" (held-out and whole run)" if t.get("whole_run") is False else "")
-                    against += f": {loss}" + ("" if t.get("accuracy") else ", accuracy beyond it too"
-                                              if not (t["heldout"] or t.get("whole_run")) else
-                                              ", but accuracy beyond it")
+                against += _spread_words(v.get("spread_tests") or {})
         lines.append(f"- {run['label']} ({how}): {gap}{acc}{whole}{target}; {against} → **{v['verdict']}**.")
     # What bf16 itself does to all-on-GPU (a yardstick for the bf16 gaps above)
     refs = {r["dtype"]: r for r in runs if result["refs"].get(r["dtype"]) == r["label"]}

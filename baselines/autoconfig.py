@@ -5,9 +5,9 @@ the activations fit without it, nor split the step into more micro-batches than 
 16×1024 on the H200, HF *without* checkpointing in 2 micro-batches ran 381 TFLOPS against 321 with
 checkpointing in one. ``choose_config`` tries, on the real step shape:
 
-1. no checkpointing with 1, 2, 4, ... micro-batches (from the run's own ``micro_batches`` up: a run that
-   asks for a split keeps at least that split) (the largest micro-batch first; the first that fits
-   is kept: more micro-batches only add launches and smaller matmuls);
+1. no checkpointing with 1, 2, 4, ... micro-batches, from the run's own ``micro_batches`` up (a run that
+   asks for a split keeps at least that split), the largest micro-batch first; the first that fits is
+   kept: more micro-batches only add launches and smaller matmuls;
 2. checkpointing with 1, 2, 4, ... micro-batches the same way (skipped when no-checkpointing fitted in
    one micro-batch: recompute could only add time then);
 
