@@ -19,7 +19,9 @@ The model (clipping firing every step, the regime every sweep row measures; see 
     loss       6 V h T / rate                           final norm + head + cross-entropy, fwd + bwd
     backward   sum over layers of max(B + R, load)      B: backward, R: recompute (0 where the block is kept);
                                                         every layer is loaded again for its backward, kept
-                                                        ones too (their weights are not held from the forward)
+                                                        ones too (their weights are not held from the forward);
+                                                        a GPU-path layer whose updated master the GPU keeps
+                                                        (update_path="hybrid") loads by a cast on the device
     host update  P_host / cpu rate                      the host AdamW after the norm, overlapping the next
                                                         forward: what the forward does not cover is exposed,
                                                         max(0, host update - forward); never faster than its
@@ -156,6 +158,9 @@ class StepLoad:
     # Host-tier groups' parameters in the order the next forward needs them (embed, layers, final), for the
     # hybrid split; None: the embedding / head sum first, then the host layers.
     host_group_params: list[int] | None = None
+    # Each host-tier group's decoder layer index (-1: embedding / final norm + head), in the same order; None:
+    # as ``host_group_params``'s default order.
+    host_group_layers: list[int] | None = None
     # GPU memory the GPU update path may hold (rotating buffers, then kept masters, 4 B/param); with all
     # masters kept, a GPU-path group's next load is a cast on the GPU (no bytes over the link)
     gpu_path_staging_bytes: float = math.inf
@@ -209,11 +214,14 @@ def predict(load: StepLoad, rates: Rates | None = None) -> Prediction:
     fwd = bwd = recompute = h2d = 0.0
     n = max(1, load.passes)
     both = rates.link_both_ways
-    for params, on_gpu, kept in zip(load.layer_params, load.layer_on_gpu, load.layer_kept):
+    # host layer -> (its backward term, the same with its load a cast of a kept master, its link seconds)
+    host_bwd: dict[int, tuple[float, float, float]] = {}
+    for i, (params, on_gpu, kept) in enumerate(zip(load.layer_params, load.layer_on_gpu, load.layer_kept)):
         f, r, b = layer_times(load, rates, params)
         out = 0.0
+        cast = params * (4 + load.compute_bytes) / (rates.gpu_cast_gbps * GB)
         if on_gpu:  # a cast on the device
-            move = move_bwd = params * (4 + load.compute_bytes) / (rates.gpu_cast_gbps * GB)
+            move = move_bwd = cast
         else:
             move = move_bwd = params * load.stream_bytes / (rates.h2d_gbps * GB)
             h2d += 2 * n * move  # forward and backward: a kept layer is loaded again for its backward
@@ -224,7 +232,10 @@ def predict(load: StepLoad, rates: Rates | None = None) -> Prediction:
         recompute += r
         # each pass computes 1/n of the tokens; its loads are prefetched behind the layer before
         fwd += n * max(f / n, move)
-        bwd += max(n * max((b + r) / n, move_bwd), out)
+        term = max(n * max((b + r) / n, move_bwd), out)
+        bwd += term
+        if not on_gpu:
+            host_bwd[i] = (term, max(n * max((b + r) / n, cast), out), n * move)
     # embedding / head on the host tier: one load per step (resident compute copies)
     h2d += load.other_params_host * 4 / (rates.h2d_gbps * GB)
     grad_bytes = 4 if load.grads_on_host else load.grad_bytes
@@ -238,7 +249,6 @@ def predict(load: StepLoad, rates: Rates | None = None) -> Prediction:
     if not load.grads_on_host and not load.speculate:  # after the norm it pulls its gradients down as it goes
         host_update = max(host_update, load.params_host * load.grad_bytes / (rates.d2h_gbps * both * GB))
     gpu_update = load.params_gpu / (rates.gpu_adamw_gparams * GB)
-    covered = bwd if load.speculate else fwd
     parts = dict(forward_s=fwd, loss_s=loss, backward_s=bwd, recompute_s=recompute, host_update_s=host_update,
                  host_update_exposed_s=0.0, gpu_update_s=gpu_update, h2d_s=h2d, d2h_s=d2h)
     reason = ""
@@ -248,9 +258,17 @@ def predict(load: StepLoad, rates: Rates | None = None) -> Prediction:
         parts.update(host_update_cpu_only_s=host_update, gpu_path_groups=float(len(split.gpu)),
                      gpu_path_candidates=float(candidates),
                      gpu_path_params=float(sum(p for p, on in zip(_host_groups(load), on_gpu_path) if on)))
-        if split.gpu:  # plan_split's time runs from the norm (a speculative CPU path's head start already spent)
+        if split.gpu:
+            if _masters_kept(load):  # a GPU-path layer's backward load casts its kept master: off the link
+                for layer, on in zip(_host_group_layers(load), on_gpu_path):
+                    if on and layer in host_bwd:
+                        term, cast_term, link_s = host_bwd[layer]
+                        bwd, h2d = bwd - term + cast_term, h2d - link_s
+                parts.update(backward_s=bwd, h2d_s=h2d)
+            # plan_split's time runs from the norm (a speculative CPU path's head start already spent)
             host_update = split.predicted_s + (bwd if load.speculate else 0.0)
         parts["host_update_s"] = host_update  # no GPU-path group: the CPU kernel alone, the term above
+    covered = bwd if load.speculate else fwd
     exposed = max(0.0, host_update - covered)
     parts["host_update_exposed_s"] = exposed
     return Prediction(step_s=fwd + exposed + loss + bwd + gpu_update, parts=parts, split_reason=reason)
@@ -261,6 +279,24 @@ def _host_groups(load: StepLoad) -> list[int]:
         return list(load.host_group_params)
     layers = [p for p, g in zip(load.layer_params, load.layer_on_gpu) if not g]
     return ([load.other_params_host] if load.other_params_host else []) + layers
+
+
+def _host_group_layers(load: StepLoad) -> list[int]:
+    if load.host_group_layers is not None:
+        return list(load.host_group_layers)
+    layers = [i for i, g in enumerate(load.layer_on_gpu) if not g]
+    return ([-1] if load.other_params_host else []) + layers
+
+
+def _masters_kept(load: StepLoad) -> bool:
+    """Whether the GPU update path keeps every updated master on the GPU (``host_tier.split_args``' rule), so
+    that a GPU-path layer's loads until its next update are casts on the device."""
+    from .host_tier import split_args  # imports torch: not at module load
+
+    groups = _host_groups(load)
+    args = split_args(groups, staging_bytes=load.gpu_path_staging_bytes, grads_on_host=load.grads_on_host,
+                      stream_bytes=load.stream_bytes, grad_bytes=load.grad_bytes, shadow=load.bf16_shadow)
+    return bool(groups) and args is not None and args["gpu_load_bytes"] == 0
 
 
 def hybrid_split(load: StepLoad, rates: Rates, backward_s: float) -> tuple["update_split.Split", list[bool], int]:

@@ -252,7 +252,7 @@ def split_args(numels: list[int], *, staging_bytes: float, grads_on_host: bool, 
                grad_bytes: int, shadow: bool) -> dict | None:
     """``plan_split``'s keyword arguments for the host-tier groups of ``numels`` (their bytes per parameter
     each way) when the GPU path may hold ``staging_bytes``; None when that holds not even one chunk. Masters
-    are kept (the next forward casts them on the GPU: no second load) when what the chunks leave holds them
+    are kept (every load until the next update casts them on the GPU: no second load) when what the chunks leave holds them
     all and nothing is streamed from a bf16 shadow; otherwise the model counts a GPU-path group's load too."""
     chunk = staging_chunk(max(numels), staging_bytes, grads_on_host)
     if chunk == 0:

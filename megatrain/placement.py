@@ -713,6 +713,7 @@ def step_load(numels: dict[str, int], tiers: dict[str, str], shape: StepShape,
         passes=shape.micro_batches if shape.sequential else 1, compute_bytes=shape.compute_bytes,
         grads_on_host=shape.grads == "host", bf16_shadow=shape.bf16_shadow, update_path=shape.update_path,
         host_group_params=[numels[x] for x in numels if tiers[x] == "host"],  # group order = forward order
+        host_group_layers=[layers.index(x) if x in layers else -1 for x in numels if tiers[x] == "host"],
         gpu_path_staging_bytes=gpu_path_staging)
 
 

@@ -4,9 +4,9 @@
 master, m and v go up on an upload stream, the fused AdamW (the GPU tier's kernel, ``optim.adamw_``) runs
 on an update stream with the step's clip coefficient, and master, m, v go back on a download stream into
 the (pinned) host store, in chunks through two rotating buffers. The updated master stays on the GPU in a
-*kept* buffer when the staging budget allows, and the next forward casts it into its slot from there
-(``device_source``: no second load); otherwise the forward loads the group from host RAM once the
-download has landed. The gradient is used where it waits (on the GPU; uploaded first with
+*kept* buffer when the staging budget allows, and every load of the group until its next update casts it
+into its slot from there (``device_source``): the next forward's and the backward's (no load over the link,
+no wait for the download); otherwise a load reads host RAM once the download has landed. The gradient is used where it waits (on the GPU; uploaded first with
 grad_placement="host"). With prefetch, a group's state goes up during the backward instead.
 
 The host tier's optimizer that shares the groups between this path and the CPU kernel is
@@ -17,7 +17,8 @@ the next forward's weight loads (engine H2D stream), nor the CPU path's gradient
 nor its compute. Ordering, per chunk: upload waits for the rotating buffer's previous download and for
 the group's own previous download; update waits for the upload and the gradient; download waits for the
 update. A load of the group waits (on the engine's H2D stream) for the update when it reads the kept
-master, for the download otherwise. On a CPU run every stream is a no-op and the same code runs in order.
+master, for the download otherwise. The next update's uploads overwrite a kept master only after every
+cast queued on the H2D stream before it (the last step's forward and backward loads). On a CPU run every stream is a no-op and the same code runs in order.
 """
 from __future__ import annotations
 
@@ -110,7 +111,9 @@ class StreamedAdamW:
         self._grads: dict[str, tuple] = {}
         self._updated: dict[str, object] = {}  # name -> event after its last update (kept master valid)
         self._down: dict[str, object] = {}  # name -> event after its last download (host state valid)
-        self._fresh: set[str] = set()  # kept masters holding the last update, not yet read by a load
+        # Kept masters holding the group's current master (its last update's), which every load reads until the
+        # group's next update (or a step routed to the CPU path) makes them stale.
+        self._fresh: set[str] = set()
         self._prefetched: dict[str, object] = {}  # this step's prefetched groups -> event after their upload
         self._pending: tuple | None = None  # (step, coef, grads, prefetched) of a finished step, not issued yet
         self.wait_timer = WaitTimer(streams)  # loads' GPU waits for this path
@@ -186,7 +189,9 @@ class StreamedAdamW:
         update, which overlaps the next forward as the CPU path's does."""
         grads, self._grads = self._grads, {}
         prefetched, self._prefetched = self._prefetched, {}
-        self._fresh.clear()  # kept masters of the last step are either read already or stale now
+        # Kept masters are stale from here for groups this step's update does not reach (routed to the CPU path,
+        # or a skipped step); ``_issue`` marks the ones it updates fresh again.
+        self._fresh.clear()
         self._pending = (step, coef, grads, prefetched)
 
     def flush(self) -> None:
@@ -320,13 +325,11 @@ class StreamedAdamW:
         return None if ev is None else _TimedWait(ev, self.wait_timer)
 
     def device_source(self, name: str) -> torch.Tensor | None:
-        """The updated fp32 master of ``name`` on the GPU, once per update (the next forward's cast reads it;
-        later loads read host RAM)."""
+        """The updated fp32 master of ``name`` on the GPU, for every load until the group's next update (the
+        next forward's cast and the backward's read it; a kept layer's backward load then neither crosses the
+        link nor waits for the download); None where it is not kept or stale (a load reads host RAM)."""
         self.flush()
-        if name in self._fresh:
-            self._fresh.discard(name)
-            return self.kept[name]
-        return None
+        return self.kept[name] if name in self._fresh else None
 
     def host_ready(self, name: str) -> None:
         """Block until ``name``'s host state is written back (before the CPU path reads it)."""

@@ -173,3 +173,29 @@ def test_config_accepts_update_path_auto_and_rejects_others():
     assert EngineConfig(update_path="auto").update_path == "auto"
     with pytest.raises(ValueError, match="update_path must be 'cpu', 'hybrid' or 'auto'"):
         EngineConfig(update_path="gpu")
+
+
+def test_cost_model_gpu_path_backward_casts_kept_masters():
+    """With every updated master kept on the GPU, a GPU-path layer's backward load is a cast on the device
+    (megatrain/streamed_update.py ``device_source``): the hybrid backward and H2D drop by those layers' link
+    time where the link bounds them; without kept masters (no staging beyond the chunks) they do not."""
+    tiers = {x: "host" for x in _numels()}
+    # few tokens: each layer's backward is bound by its load over the link
+    load = P.step_load(_numels(), tiers, _shape(compute_bytes=2, tokens_per_micro_batch=256),
+                       gpu_path_staging=float("inf"))
+    assert load.host_group_layers == [-1, *range(LAYERS), -1]
+    cpu = cost_model.predict(load)
+    hybrid = cost_model.predict(dataclasses.replace(load, update_path="hybrid"))
+    split, on, _ = cost_model.hybrid_split(load, cost_model.Rates(), 0.0)
+    layers_on_path = sum(1 for layer, x in zip(load.host_group_layers, on) if x and layer >= 0)
+    assert layers_on_path > 0
+    per_layer = 50_000_000 * load.stream_bytes / (cost_model.Rates().h2d_gbps * cost_model.GB)
+    assert hybrid.parts["h2d_s"] == pytest.approx(cpu.parts["h2d_s"] - layers_on_path * per_layer)
+    assert hybrid.parts["backward_s"] < cpu.parts["backward_s"]
+    from megatrain.streamed_update import CHUNK_ELEMS, rotating_bytes
+
+    chunks_only = dataclasses.replace(load, update_path="hybrid",
+                                      gpu_path_staging_bytes=rotating_bytes(CHUNK_ELEMS, False) + 1)
+    tight = cost_model.predict(chunks_only)
+    assert tight.parts["gpu_path_groups"] > 0  # a GPU path, but no kept master: its loads cross the link
+    assert tight.parts["backward_s"] == pytest.approx(cpu.parts["backward_s"])

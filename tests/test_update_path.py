@@ -346,3 +346,43 @@ def test_summary_says_why_hybrid_runs_the_cpu_path_alone():
     assert "CPU kernel only (the GPU path takes no group" in line and "'cpu_gps': 4.0" in line
     assert "predicted 1.500 s vs CPU only 1.500 s" in line and "no gain" in line
     assert HybridHostAdamW(cpu).summary() == "host update: CPU kernel only"  # update_path="cpu": nothing to explain
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+@pytest.mark.parametrize("clip", [True, False])
+def test_backward_reads_the_kept_master(micro_batches, clip):
+    """A GPU-path group's kept master serves every load until its next update: the next forward's cast AND
+    the backward's (no load over the link, no wait for the download), still matching plain PyTorch. In
+    tiny-llama (4 layers, K=2) the forced GPU-path layer 1 is loaded twice per step (forward, then its
+    block's backward; layer 3, the last, stays in its slot from the forward into the backward): from the
+    second step on (the first update lands after step 1), both of layer 1's loads read the kept master
+    (before, only the forward's did)."""
+    import megatrain.streamed_update as su
+
+    spec = PRESETS["tiny-llama"]
+    optim = OPTIM if clip else NO_CLIP
+    served = []  # (group, step) of every load the kept master served
+    step = [0]
+    orig_source, orig_begin = su.StreamedAdamW.device_source, su.StreamedAdamW.begin_step
+
+    def source(self, name):
+        out = orig_source(self, name)
+        if out is not None:
+            served.append((name, step[0]))
+        return out
+
+    def begin(self, s, speculate):
+        step[0] = s
+        return orig_begin(self, s, speculate)
+
+    su.StreamedAdamW.device_source, su.StreamedAdamW.begin_step = source, begin
+    try:
+        data = batches(spec)
+        assert_parity(spec.to_hf_config("eager"), hybrid_cfg(micro_batches=micro_batches, optim=optim), data,
+                      micro_batches=micro_batches, optim=optim)
+    finally:
+        su.StreamedAdamW.device_source, su.StreamedAdamW.begin_step = orig_source, orig_begin
+    for s in range(1, len(data)):
+        assert served.count(("layer.1", s)) == 2, (s, served)
+        assert served.count(("layer.3", s)) == 1, (s, served)
+    assert not [x for x in served if x[1] == 0]  # nothing kept before the first update
