@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .cache import init_complete
 from .point import one_line, read_metrics, summarize
-from .schema import PARTIAL_MIN_STEPS, Row
+from .schema import PARTIAL_MIN_STEPS, PHASE_COLUMNS, Row
 from .sweeps import Job
 
 GIB = 2**30
@@ -179,7 +179,7 @@ def partial_fields(metrics: dict, steps: int, error: str) -> dict:
 # the row columns a partial result fills (from ``summarize``), beside status, reason and error
 PARTIAL_COLUMNS = ("step_time_median_s", "step_time_mean_s", "tokens_per_s", "tflops", "mfu", "timed_steps",
                    "step_time_min_s", "step_time_max_s", "step_time_stdev_s", "steps_clipped", "loss_first",
-                   "loss_last")
+                   "loss_last", *PHASE_COLUMNS)
 
 
 def salvage_partial(row: dict, point_dir) -> dict | None:
@@ -242,6 +242,7 @@ def to_row(job: Job, result: dict, env: dict) -> Row:
         gpu_tier_params=tiers.get("gpu_tier_params"), host_tier_params=tiers.get("host_tier_params"),
         blocks=info.get("blocks"), blocks_kept=info.get("blocks_kept"),
         predicted_step_s=info.get("predicted_step_s"),
+        **{k: timed(k) for k in PHASE_COLUMNS},
         gpu_name=result.get("gpu_name") or env.get("gpu_name", ""), driver=env.get("driver", ""),
         torch_version=env.get("torch_version", ""), transformers_version=env.get("transformers_version", ""),
         deepspeed_version=env.get("deepspeed_version", ""), git_sha=env.get("git_sha", ""),

@@ -32,7 +32,7 @@ from megatrain.system import step_flops
 
 from . import emulation
 from .cache import _digest, ensure_init_dir
-from .schema import sanitize
+from .schema import phase_medians, sanitize
 from .sweeps import Job
 
 GIB = 2**30
@@ -142,6 +142,8 @@ def summarize(records: list[dict], job: Job) -> dict:
     norms = [r.get("grad_norm") for r in timed]
     if all(n is not None for n in norms):
         out["steps_clipped"] = sum(1 for n in norms if mgn > 0 and float(n) > mgn)
+    # the host tier's update per step (MegaTrain's phases): medians over the timed steps (schema v4 columns)
+    out.update(phase_medians(timed))
     med = statistics.median(times)
     tokens = job.tokens_per_step  # batch_size is per GPU: every GPU's tokens count
     flops = step_flops(job.num_params, job.spec["num_layers"], job.spec["hidden_size"], job.seq_len, tokens)

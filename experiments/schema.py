@@ -1,4 +1,4 @@
-"""The results row: one typed record per sweep point, the same columns in every sweep (schema v3).
+"""The results row: one typed record per sweep point, the same columns in every sweep (schema v4).
 
 ``results/<sweep>/results.csv`` is what every reader reads (claims, figures, the report). A row is a
 ``Row``; its fields, in order, are ``COLUMNS``. What used to ride in prose is a field: why a point has
@@ -22,11 +22,12 @@ import functools
 import math
 import os
 import re
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # Peak dense bf16 TFLOPS used for MFU, by substring of the GPU name (first match wins). The one copy.
 PEAK_TFLOPS: dict[str, float] = {
@@ -143,15 +144,37 @@ class Row:
     gpu_resident: str = _col("MegaTrain's gpu_resident setting (auto | N | 0)", "")
     checkpoint_interval: int | None = _col("MegaTrain's checkpoint interval K (layers per block)")
     schema: int | None = _col("row schema version", SCHEMA_VERSION)
+    # -- v4: the host tier's update per timed step (MegaTrain; medians of its per-step phases) ------------
+    cpu_groups: float | None = _col("host-tier groups the CPU kernel updated per timed step (median; MegaTrain)")
+    gpu_path_groups: float | None = _col("host-tier groups the GPU update path updated per timed step (median; "
+                                         "MegaTrain update_path hybrid)")
+    host_update_busy_s: float | None = _col("the host AdamW worker's busy time per timed step (median, s; MegaTrain)")
+    optimizer_exposed_s: float | None = _col("time per timed step the next forward waited for the host tier's "
+                                             "update (median, s; MegaTrain)")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Row)}
 COLUMNS: list[str] = list(FIELDS)
 DESCRIPTIONS: dict[str, str] = {n: f.metadata["doc"] for n, f in FIELDS.items()}
-# Headers by version: v1 (before optimizer/settings), v2 (before the typed fields), v3 (COLUMNS).
-HEADERS: dict[int, list[str]] = {3: COLUMNS, 2: COLUMNS[:COLUMNS.index("reason")],
-                                 1: COLUMNS[:COLUMNS.index("optimizer")]}
+# Headers by version: v1 (before optimizer/settings), v2 (before the typed fields), v3 (before the host
+# update's phases), v4 (COLUMNS).
+PHASE_COLUMNS = ("cpu_groups", "gpu_path_groups", "host_update_busy_s", "optimizer_exposed_s")
+HEADERS: dict[int, list[str]] = {4: COLUMNS, 3: COLUMNS[:COLUMNS.index(PHASE_COLUMNS[0])],
+                                 2: COLUMNS[:COLUMNS.index("reason")], 1: COLUMNS[:COLUMNS.index("optimizer")]}
 READABLE_HEADERS: list[list[str]] = list(HEADERS.values())
+
+
+def phase_medians(timed: list[dict]) -> dict:
+    """The v4 columns (``PHASE_COLUMNS``) of a point: the median over its timed steps' records (metrics.jsonl
+    lines) of each key in their ``phases``, where every timed step has it (MegaTrain's; other systems none)."""
+    out = {}
+    for k in PHASE_COLUMNS:
+        vals = [(r.get("phases") or {}).get(k) for r in timed]
+        if vals and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+            out[k] = float(statistics.median(vals))
+    return out
+
+
 STRING_COLUMNS = frozenset(n for n, f in FIELDS.items() if f.type == "str")
 BOOL_COLUMNS = frozenset(n for n, f in FIELDS.items() if f.type.startswith("bool"))
 NUMERIC_COLUMNS = tuple(c for c in COLUMNS if c not in STRING_COLUMNS and c not in BOOL_COLUMNS)

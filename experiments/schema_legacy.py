@@ -1,4 +1,5 @@
-"""Rows of schema v1/v2 (before the typed fields) upgraded to the current schema.
+"""Rows of schema v1/v2 (before the typed fields) and v3 (before the host update's phases) upgraded to the
+current schema.
 
 Before v3 a skip's kind and its numbers lived only in the ``error`` prose and the placement only in the
 point's ``result.json``. This module is the one place that reads that prose, once, to fill the typed
@@ -90,9 +91,39 @@ def step_fields(point_dir: Path, max_grad_norm: float | None) -> dict:
     return out
 
 
+def phase_fields(point_dir: Path, median_s: float | None) -> dict:
+    """The v4 columns (``experiments.schema.PHASE_COLUMNS``: medians over the timed steps of MegaTrain's
+    per-step phases) from ``metrics.jsonl``, only when that folder's timed-step median is the row's own
+    (``median_s``): a folder left by another run of the point must not lend its phases."""
+    from .schema import phase_medians
+
+    try:
+        recs = [json.loads(l) for l in (point_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    except (OSError, ValueError):
+        return {}
+    timed = [r for r in recs if isinstance(r, dict) and not r.get("warmup") and r.get("step_time_s") is not None]
+    if not timed or median_s is None:
+        return {}
+    if abs(statistics.median(float(r["step_time_s"]) for r in timed) - median_s) > 1e-4 * max(1.0, median_s):
+        return {}
+    return phase_medians(timed)
+
+
 def upgrade(rec: dict, version: int, point_dir: Path) -> dict:
-    """A v1/v2 CSV record (cells) as a current-schema record (cells): the old cells unchanged, the typed
-    fields filled where the error text or the point folder tells them."""
+    """An older CSV record (cells) as a current-schema record (cells): the old cells unchanged, the typed
+    fields filled where the error text or the point folder tells them (v3: only the host update's phases)."""
+    from .schema import SCHEMA_VERSION
+
+    out = dict(rec) if version >= 3 else _upgrade_to_v3(rec, point_dir)
+    if out.get("status") == "ok":
+        median = _num(out.get("step_time_median_s") or None)
+        out.update({k: _cell(v) for k, v in phase_fields(point_dir, median).items()})
+    out["schema"] = str(SCHEMA_VERSION)
+    return out
+
+
+def _upgrade_to_v3(rec: dict, point_dir: Path) -> dict:
+    """A v1/v2 record with the v3 typed fields filled."""
     out = dict(rec)
     new = skip_fields(rec.get("status", ""), rec.get("error", ""))
     _memory_numbers(rec, new)

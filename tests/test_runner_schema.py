@@ -28,7 +28,7 @@ BRIEF_COLUMNS = (
 
 def test_columns_are_the_fixed_schema():
     # v2's columns first, in their order (old files stay readable), then the typed fields of v3
-    assert schema.COLUMNS[:len(BRIEF_COLUMNS)] == BRIEF_COLUMNS and schema.SCHEMA_VERSION == 3
+    assert schema.COLUMNS[:len(BRIEF_COLUMNS)] == BRIEF_COLUMNS and schema.SCHEMA_VERSION == 4
     assert set(schema.DESCRIPTIONS) == set(schema.COLUMNS) and all(schema.DESCRIPTIONS.values())
     for col in ("reason", "need_host_gib", "have_host_gib", "need_gpu_gib", "have_gpu_gib", "gpu_tier_layers",
                 "host_tier_layers", "gpu_tier_params", "host_tier_params", "steps_clipped", "timed_steps",
@@ -74,7 +74,7 @@ def test_typed_row_round_trip(tmp_path):
     csv = tmp_path / "results.csv"
     schema.append_row(csv, row)
     r = schema.read_results(csv).iloc[0]
-    assert (r["reason"], r["need_gpu_gib"], r["host_tier_layers"], r["schema"]) == ("plan_gpu", 28.7, 28, 3)
+    assert (r["reason"], r["need_gpu_gib"], r["host_tier_layers"], r["schema"]) == ("plan_gpu", 28.7, 28, 4)
     with pytest.raises(schema.SchemaError, match="unknown reason"):
         schema.make_row(reason="felt like it")
 
@@ -209,3 +209,53 @@ def test_rows_jsonl_is_the_csvs_typed_twin(tmp_path):
              if (p.parent / "rows.jsonl").read_text() != "".join(json.dumps(r, ensure_ascii=False) + "\n"
                                                                   for r in schema.jsonl_records(p))]
     assert not stale, f"rows.jsonl out of date (python -m experiments.schema --jsonl results/*/results.csv): {stale}"
+
+
+def _phase_metrics(folder, medians, warmup_phases=None):
+    """A point folder whose metrics.jsonl has one warm-up step and three timed ones (step times 1, 2, 3 s)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [dict(step=0, warmup=True, step_time_s=9.0, phases=warmup_phases or dict(cpu_groups=99.0))]
+    for i, t in enumerate((1.0, 2.0, 3.0)):
+        lines.append(dict(step=i + 1, warmup=False, step_time_s=t,
+                          phases={k: v + (i - 1) for k, v in medians.items()}))
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_v3_rows_gain_the_host_update_phases_from_their_own_folder(tmp_path):
+    """v3 -> v4: an ok MegaTrain row gets cpu_groups, gpu_path_groups, host_update_busy_s, optimizer_exposed_s
+    as medians of its timed steps' phases, only from a folder whose timed-step median is the row's own."""
+    v3 = schema.HEADERS[3]
+    assert v3 == schema.COLUMNS[:-4] and v3[-1] == "schema"
+    want = dict(cpu_groups=16.0, gpu_path_groups=14.0, host_update_busy_s=1.07, optimizer_exposed_s=0.81)
+    _phase_metrics(tmp_path / "mine", want)
+    _phase_metrics(tmp_path / "stale", want)  # its median (2.0 s) is not the row's (2.5 s)
+    rows = []
+    for point, median in (("mine", "2"), ("stale", "2.5"), ("none", "1")):
+        cells = dict.fromkeys(v3, "") | dict(point=point, status="ok", schema="3", step_time_median_s=median)
+        rows.append(",".join(cells[c] for c in v3))
+    csv_path = tmp_path / "results.csv"
+    csv_path.write_text(",".join(v3) + "\n" + "\n".join(rows) + "\n")
+    df = schema.read_results(csv_path).set_index("point")
+    for k, v in want.items():
+        assert df.loc["mine", k] == pytest.approx(v), k
+    assert df.loc[["stale", "none"], list(want)].isna().all().all()
+    assert schema.upgrade_csv(csv_path) == 3 and schema.read_header(csv_path) == schema.COLUMNS
+    assert schema.jsonl_records(csv_path)[0]["gpu_path_groups"] == 14.0
+
+
+def test_summarize_gives_the_host_update_phases_of_the_timed_steps():
+    """The runner's row: medians over the timed steps (warm-up excluded) of MegaTrain's phases; nothing for a
+    system without them."""
+    recs = [dict(warmup=True, step_time_s=5.0, loss=3.0, phases=dict(cpu_groups=30, optimizer_exposed_s=9.0))]
+    recs += [dict(warmup=False, step_time_s=t, loss=2.0, phases=dict(cpu_groups=c, gpu_path_groups=30 - c,
+                                                                        host_update_busy_s=b, optimizer_exposed_s=e))
+             for t, c, b, e in ((2.0, 15, 1.0, 0.8), (2.1, 16, 1.2, 0.9), (1.9, 17, 1.1, 0.7))]
+    from experiments.sweeps import Job
+
+    pt = Job(id="p", sweep="s", system="megatrain", variant="default", model="m", width=1.0,
+             spec={"num_layers": 2, "hidden_size": 4}, num_params=1000, seq_len=8, batch_size=2, micro_batches=1,
+             hardware={"peak_tflops": 100.0}, options={})
+    m = P.summarize(recs, pt)
+    assert (m["cpu_groups"], m["gpu_path_groups"], m["host_update_busy_s"], m["optimizer_exposed_s"]) == (16, 14, 1.1, 0.8)
+    plain = P.summarize([{k: v for k, v in r.items() if k != "phases"} for r in recs], pt)
+    assert not set(schema.PHASE_COLUMNS) & set(plain)
