@@ -21,7 +21,7 @@ from baselines.registry import SYSTEMS, record
 
 from .claims import (CLAIMS_PATH, ClaimsError, _all_rows, _hw_long, _hw_short, _pct, _short, evaluate_claim,
                      load_claims, spreads_overlap, summary_lines, tflops_range)
-from . import accuracy, phases, same_run, sft_report
+from . import accuracy, phases, same_run, sft_report, update_path
 from .style import H200_PEAK_TFLOPS, HARDWARE_ORDER
 from .figures import figures_for
 from .steady import DAGGER, FALL_TOL, mark_unsteady, unsteady_rows
@@ -378,6 +378,7 @@ def build_report(results_dir, claims_path=CLAIMS_PATH, plots_dir: str | Path | N
         for sweep, df in frames.items():
             lines += _sweep_table(sweep, df)
             lines += same_run.table_lines(sweep, df)  # every system against MegaTrain, with its costs
+        lines += update_path.table_lines(frames)  # the host update: CPU kernel vs the GPU update path, per shape
         lines += _unsteady(frames)
         lines += phases.report_lines(results_dir, frames)
         lines += _failures(rows)
