@@ -1,0 +1,58 @@
+"""analysis.update_path: issue 23's table per shape -- the GPU update path against the CPU kernel alone in the
+same sweep, with the schema v4 keys (groups per path, host update busy and exposed), another-call marks and
+the issue's target per shape."""
+from __future__ import annotations
+
+from analysis.report import build_report
+from experiments import schema
+
+P, L, H, S, B = 7615616512, 28, 3584, 1024, 8
+T = S * B
+FLOPS = 6 * P * T + 12 * L * H * S * T
+
+
+def _row(variant, step, sweep="update_path", sha="767ad1e", date="2026-12-06T14:00:00", **kw):
+    point = f"megatrain__qwen2.5-7b__L28__w1__s1024__b8__{variant}__H200"
+    base = dict(sweep=sweep, point=point, system="megatrain", variant=variant, status="ok", model="qwen2.5-7b",
+                num_params=P, num_layers=L, hidden_size=H, seq_len=S, batch_size=B, tokens_per_step=T,
+                hardware="H200", gpu_name="NVIDIA H200", git_sha=sha, date=date, timed_steps=4, steps_clipped=4,
+                step_time_median_s=step, step_time_mean_s=step, step_time_min_s=step * 0.99,
+                step_time_max_s=step * 1.01, tflops=FLOPS / step / 1e12, predicted_step_s=2.0)
+    return base | kw
+
+
+def _table(text, head):
+    assert head in text, text
+    return text[text.index(head):].split("\n\n")[1].splitlines()[2:]
+
+
+def test_hybrid_against_the_cpu_path_with_its_keys_and_target(tmp_path):
+    rows = [_row("streaming_cpu_pinned", 2.44, cpu_groups=30, gpu_path_groups=0, host_update_busy_s=1.86,
+                 optimizer_exposed_s=1.70),
+            _row("streaming_hybrid", 1.80, cpu_groups=16, gpu_path_groups=14, host_update_busy_s=1.07,
+                 optimizer_exposed_s=0.60),
+            _row("streaming_cpu", 2.45, sha="a1b2a68", date="2026-12-02T06:00:00")]  # another call, no keys
+    for r in rows:
+        schema.append_row(tmp_path / "update_path" / "results.csv", r)
+    schema.append_row(tmp_path / "update_path_noclip" / "results.csv",
+                      _row("streaming_cpu_pinned", 2.7, sweep="update_path_noclip", steps_clipped=0))
+    text, errors = build_report(tmp_path, out_path=tmp_path / "REPORT.md", log=lambda *a: None)
+    assert not errors
+    hybrid, cpu, other = _table(text, "#### update_path: qwen2.5-7b, 8×1024 tokens per step (clipping fires)")
+    assert hybrid.startswith("| streaming_hybrid | ") and f"| {2.44 / 1.80:.2f}× |" in hybrid
+    assert "| 4 / 4 | 16.0 | 14.0 | 1.07 | 0.60 | 2.00 | 1.80 | 767ad1e |" in hybrid
+    assert "| 1.00× |" in cpu and "| 30.0 | 0.0 | 1.86 | 1.70 |" in cpu
+    assert "| a1b2a68 ‡ |" in other and "| — | — | — | — |" in other
+    best = FLOPS / 1.80 / 1e12
+    verdict = "met" if best >= 200 else f"missed by {1 - best / 200:.1%}"
+    assert f"target with clipping firing: ≥ 200 TFLOPS; best row streaming_hybrid {best:.1f} (767ad1e): {verdict}" in text
+    noclip = _table(text, "#### update_path_noclip: qwen2.5-7b, 8×1024 tokens per step (clipping does not fire)")
+    assert len(noclip) == 1 and "| 0 / 4 |" in noclip[0]
+    assert text.count("Issue 23's target") == 1  # the target is for clipping firing only
+
+
+def test_missed_target_says_by_how_much(tmp_path):
+    schema.append_row(tmp_path / "update_path" / "results.csv", _row("streaming_cpu_pinned", 2.44))
+    text, _ = build_report(tmp_path, out_path=tmp_path / "REPORT.md", log=lambda *a: None)
+    got = FLOPS / 2.44 / 1e12
+    assert f"best row streaming_cpu_pinned {got:.1f} (767ad1e): missed by {1 - got / 200:.1%}." in text
