@@ -38,7 +38,7 @@ def test_hybrid_against_the_cpu_path_with_its_keys_and_target(tmp_path):
                       _row("streaming_cpu_pinned", 2.7, sweep="update_path_noclip", steps_clipped=0))
     text, errors = build_report(tmp_path, out_path=tmp_path / "REPORT.md", log=lambda *a: None)
     assert not errors
-    hybrid, cpu, other = _table(text, "#### update_path: qwen2.5-7b, 8×1024 tokens per step (clipping fires)")
+    hybrid, cpu, other = _table(text, "#### update_path: qwen2.5-7b, 8×1024 tokens per step, H200 (clipping fires)")
     assert hybrid.startswith("| streaming_hybrid | ") and f"| {2.44 / 1.80:.2f}× |" in hybrid
     assert "| 4 / 4 | 16.0 | 14.0 | 1.07 | 0.60 | 2.00 | 1.80 | 767ad1e |" in hybrid
     assert "| 1.00× |" in cpu and "| 30.0 | 0.0 | 1.86 | 1.70 |" in cpu
@@ -46,7 +46,7 @@ def test_hybrid_against_the_cpu_path_with_its_keys_and_target(tmp_path):
     best = FLOPS / 1.80 / 1e12
     verdict = "met" if best >= 200 else f"missed by {1 - best / 200:.1%}"
     assert f"target with clipping firing: ≥ 200 TFLOPS; best row streaming_hybrid {best:.1f} (767ad1e): {verdict}" in text
-    noclip = _table(text, "#### update_path_noclip: qwen2.5-7b, 8×1024 tokens per step (clipping does not fire)")
+    noclip = _table(text, "#### update_path_noclip: qwen2.5-7b, 8×1024 tokens per step, H200 (clipping does not fire)")
     assert len(noclip) == 1 and "| 0 / 4 |" in noclip[0]
     assert text.count("Issue 23's target") == 1  # the target is for clipping firing only
 
