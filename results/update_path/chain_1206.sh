@@ -26,6 +26,12 @@ say "GGUF stash exit $have (0 = every part here)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/up$K.log"
 P='megatrain__qwen2.5-14b__*__b16__tiered_cpu_pinned__*,megatrain__qwen2.5-14b__*__b16__tiered_hybrid__*,megatrain__qwen2.5-7b__*__b8__streaming_cpu_pinned__*,megatrain__qwen2.5-7b__*__b8__streaming_hybrid__*'
 P3='megatrain__qwen2.5-3b__*__b16__streaming_cpu_pinned__*,megatrain__qwen2.5-3b__*__b16__streaming_hybrid__*'
+# On an 80 GB card (H100) the 14B tiered plan does not fit beside this host's RAM: its points are left out.
+mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+if [ "${mem:-0}" -lt 100000 ]; then
+  P='megatrain__qwen2.5-7b__*__b8__streaming_cpu_pinned__*,megatrain__qwen2.5-7b__*__b8__streaming_hybrid__*'
+  say "GPU memory ${mem} MiB: no 14B points"
+fi
 new() { python3 -m experiments.run sweep=update_path results_dir=$R post=false "$@" >> "$OUT/up$K.log" 2>&1; say "runner exit $?"; snap; }
 old() {
   (cd /tmp/old/799898c && MEGATRAIN_GIT_SHA=799898c python3 -m experiments.run sweep=update_path \
