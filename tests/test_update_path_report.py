@@ -17,7 +17,7 @@ def _row(variant, step, sweep="update_path", sha="767ad1e", date="2026-12-06T14:
                 num_params=P, num_layers=L, hidden_size=H, seq_len=S, batch_size=B, tokens_per_step=T,
                 hardware="H200", gpu_name="NVIDIA H200", git_sha=sha, date=date, timed_steps=4, steps_clipped=4,
                 step_time_median_s=step, step_time_mean_s=step, step_time_min_s=step * 0.99,
-                step_time_max_s=step * 1.01, tflops=FLOPS / step / 1e12, predicted_step_s=2.0)
+                step_time_max_s=step * 1.01, tflops=FLOPS / step / 1e12, predicted_step_s=2.0, max_grad_norm=1.0)
     return base | kw
 
 
@@ -35,10 +35,11 @@ def test_hybrid_against_the_cpu_path_with_its_keys_and_target(tmp_path):
     for r in rows:
         schema.append_row(tmp_path / "update_path" / "results.csv", r)
     schema.append_row(tmp_path / "update_path_noclip" / "results.csv",
-                      _row("streaming_cpu_pinned", 2.7, sweep="update_path_noclip", steps_clipped=0))
+                      _row("streaming_cpu_pinned", 2.7, sweep="update_path_noclip", steps_clipped=0,
+                           max_grad_norm=1e9))
     text, errors = build_report(tmp_path, out_path=tmp_path / "REPORT.md", log=lambda *a: None)
     assert not errors
-    hybrid, cpu, other = _table(text, "#### update_path: qwen2.5-7b, 8×1024 tokens per step, H200 (clipping fires)")
+    hybrid, cpu, other = _table(text, "#### update_path: qwen2.5-7b, 8×1024 tokens per step, H200 (clipping at max_grad_norm 1)")
     assert hybrid.startswith("| streaming_hybrid | ") and f"| {2.44 / 1.80:.2f}× |" in hybrid
     assert "| 4 / 4 | 16.0 | 14.0 | 1.07 | 0.60 | 2.00 | 1.80 | 767ad1e |" in hybrid
     assert "| 1.00× |" in cpu and "| 30.0 | 0.0 | 1.86 | 1.70 |" in cpu
@@ -46,7 +47,7 @@ def test_hybrid_against_the_cpu_path_with_its_keys_and_target(tmp_path):
     best = FLOPS / 1.80 / 1e12
     verdict = "met" if best >= 200 else f"missed by {1 - best / 200:.1%}"
     assert f"target with clipping firing: ≥ 200 TFLOPS; best row streaming_hybrid {best:.1f} (767ad1e): {verdict}" in text
-    noclip = _table(text, "#### update_path_noclip: qwen2.5-7b, 8×1024 tokens per step, H200 (clipping does not fire)")
+    noclip = _table(text, "#### update_path_noclip: qwen2.5-7b, 8×1024 tokens per step, H200 (clipping off)")
     assert len(noclip) == 1 and "| 0 / 4 |" in noclip[0]
     assert text.count("Issue 23's target") == 1  # the target is for clipping firing only
 
@@ -56,3 +57,15 @@ def test_missed_target_says_by_how_much(tmp_path):
     text, _ = build_report(tmp_path, out_path=tmp_path / "REPORT.md", log=lambda *a: None)
     got = FLOPS / 2.44 / 1e12
     assert f"best row streaming_cpu_pinned {got:.1f} (767ad1e): missed by {1 - got / 200:.1%}." in text
+
+
+def test_another_machines_folder_says_its_clipping_and_has_no_target(tmp_path):
+    """update_path_noclip_h100 (an H100's no-clipping rows): headed by the threshold the rows ran with, and no
+    target line (the issue's targets are the H200's, with clipping)."""
+    for sweep, mgn in (("update_path_noclip_h100", 1e9), ("update_path_h100", 1.0)):
+        r = _row("streaming_cpu_pinned", 2.44, sweep=sweep, max_grad_norm=mgn, hardware="H100-80GB-HBM3")
+        schema.append_row(tmp_path / sweep / "results.csv", r | dict(point=r["point"].replace("H200", "H100")))
+    text, _ = build_report(tmp_path, out_path=tmp_path / "REPORT.md", log=lambda *a: None)
+    assert "#### update_path_noclip_h100: qwen2.5-7b, 8×1024 tokens per step, H100-80GB-HBM3 (clipping off)" in text
+    assert "#### update_path_h100: qwen2.5-7b, 8×1024 tokens per step, H100-80GB-HBM3 (clipping at max_grad_norm 1)" in text
+    assert "Issue 23's target" not in text
