@@ -44,41 +44,56 @@ def _fmt(v, digits: int) -> str:
     return "—" if v is None else f"{v:.{digits}f}"
 
 
+def _same_call_here(r: pd.Series, ref: pd.Series) -> bool:
+    """``same_run._same_call``; a row of another commit's folder (``update_path_<sha>``, run by that commit's own
+    runner in the same device call, interleaved) counts by its time alone."""
+    if r["_sweep"] == ref["_sweep"]:
+        return _same_call(r, ref)
+    return _same_call(pd.concat([r.drop("git_sha"), pd.Series({"git_sha": ref["git_sha"]})]), ref)
+
+
+def _clipping(r: pd.Series) -> str:
+    mgn = _num(r.get("max_grad_norm"))
+    return f"at max_grad_norm {mgn:g}" if mgn and mgn < NO_CLIP_NORM else "off"
+
+
 def table_lines(frames: dict[str, pd.DataFrame]) -> list[str]:
-    """The section: for each update_path* sweep in ``frames`` (latest rows), one table per shape."""
+    """The section: one table per (clipping threshold, machine, shape) over every update_path* sweep in
+    ``frames`` (latest rows), rows of other folders (another commit's, ``update_path_<sha>``) beside the
+    CPU path of the main one."""
+    order = sorted((s for s in frames if _is_sweep(s)), key=lambda s: (s != CLIP, s != NOCLIP, s))
+    if not order:
+        return []
+    rows = pd.concat([frames[s].assign(_sweep=s) for s in order], ignore_index=True)
+    rows = rows.assign(_clip=rows.apply(_clipping, axis=1), _t=pd.to_numeric(rows["tflops"], errors="coerce"))
     out = []
-    for sweep in sorted((s for s in frames if _is_sweep(s)), key=lambda s: (s != CLIP, s != NOCLIP, s)):
-        df = frames[sweep]
-        for (model, tokens, hw), g in df.groupby(["model", "tokens_per_step", "hardware"], sort=False):
-            ref = _reference(g)
-            if ref is None:
-                continue
-            ref_t, seq = float(ref["tflops"]), int(ref["seq_len"])
-            mgn = _num(ref.get("max_grad_norm"))
-            clipping = f"at max_grad_norm {mgn:g}" if mgn and mgn < NO_CLIP_NORM else "off"
-            out += [f"#### {sweep}: {model}, {int(tokens) // seq}×{seq} tokens per step, {hw} (clipping {clipping})", "",
-                    "| variant | TFLOPS (range) | ÷ CPU path | clipped / timed | CPU groups | GPU-path groups | "
-                    "host update busy (s) | exposed (s) | predicted step (s) | measured step (s) | commit |",
-                    "|---|---|---|---|---|---|---|---|---|---|---|"]
-            g = g.assign(_t=pd.to_numeric(g["tflops"], errors="coerce")).sort_values("_t", ascending=False)
-            for _, r in g.iterrows():
-                if r["status"] == "ok" and pd.notna(r["_t"]):
-                    lo, hi, med = (_num(r.get(k)) for k in ("step_time_min_s", "step_time_max_s", "step_time_median_s"))
-                    rng = f" ({r['_t'] * med / hi:.0f}–{r['_t'] * med / lo:.0f})" if lo and hi and med else ""
-                    value, ratio = f"{r['_t']:.1f}{rng}", f"{r['_t'] / ref_t:.2f}×"
-                else:
-                    value, ratio = f"*{r['status']}*", "—"
-                clipped = f"{_fmt(r.get('steps_clipped'), 0)} / {_fmt(r.get('timed_steps'), 0)}"
-                commit = short_sha(r) + ("" if _same_call(r, ref) else f" {OTHER_CALL}")
-                out.append(f"| {r['variant']} | {value} | {ratio} | {clipped} | {_fmt(r.get('cpu_groups'), 1)} | "
-                           f"{_fmt(r.get('gpu_path_groups'), 1)} | {_fmt(r.get('host_update_busy_s'), 2)} | "
-                           f"{_fmt(r.get('optimizer_exposed_s'), 2)} | {_fmt(r.get('predicted_step_s'), 2)} | "
-                           f"{_fmt(r.get('step_time_median_s'), 2)} | {commit} |")
-            clip_on = clipping != "off"
-            out += [""] + (_target_line(model, int(tokens), g) if clip_on and hw == "H200" else []) + [
-                f"Ratios divide by the CPU path ({ref['variant']}, {ref_t:.1f} TFLOPS, {short_sha(ref)}); "
-                f"{OTHER_CALL} = another call than that row. Groups, busy and exposed: medians over the timed steps "
-                "(schema v4 columns; empty for rows measured before them whose point folder is gone).", ""]
+    for (clipping, hw, model, tokens), g in rows.groupby(["_clip", "hardware", "model", "tokens_per_step"], sort=False):
+        ref = _reference(g)
+        if ref is None:
+            continue
+        ref_t, seq = float(ref["tflops"]), int(ref["seq_len"])
+        out += [f"#### {model}, {int(tokens) // seq}×{seq} tokens per step, {hw}, clipping {clipping} "
+                f"({', '.join(f'`{x}`' for x in dict.fromkeys(g['_sweep']))})", "",
+                "| variant | TFLOPS (range) | ÷ CPU path | clipped / timed | CPU groups | GPU-path groups | "
+                "host update busy (s) | exposed (s) | predicted step (s) | measured step (s) | commit |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for _, r in g.sort_values("_t", ascending=False).iterrows():
+            if r["status"] == "ok" and pd.notna(r["_t"]):
+                lo, hi, med = (_num(r.get(k)) for k in ("step_time_min_s", "step_time_max_s", "step_time_median_s"))
+                rng = f" ({r['_t'] * med / hi:.0f}–{r['_t'] * med / lo:.0f})" if lo and hi and med else ""
+                value, ratio = f"{r['_t']:.1f}{rng}", f"{r['_t'] / ref_t:.2f}×"
+            else:
+                value, ratio = f"*{r['status']}*", "—"
+            clipped = f"{_fmt(r.get('steps_clipped'), 0)} / {_fmt(r.get('timed_steps'), 0)}"
+            commit = short_sha(r) + ("" if _same_call_here(r, ref) else f" {OTHER_CALL}")
+            out.append(f"| {r['variant']} | {value} | {ratio} | {clipped} | {_fmt(r.get('cpu_groups'), 1)} | "
+                       f"{_fmt(r.get('gpu_path_groups'), 1)} | {_fmt(r.get('host_update_busy_s'), 2)} | "
+                       f"{_fmt(r.get('optimizer_exposed_s'), 2)} | {_fmt(r.get('predicted_step_s'), 2)} | "
+                       f"{_fmt(r.get('step_time_median_s'), 2)} | {commit} |")
+        out += [""] + (_target_line(model, int(tokens), g) if clipping != "off" and hw == "H200" else []) + [
+            f"Ratios divide by the CPU path ({ref['variant']}, {ref_t:.1f} TFLOPS, {short_sha(ref)}); "
+            f"{OTHER_CALL} = another call than that row. Groups, busy and exposed: medians over the timed steps "
+            "(schema v4 columns; empty for rows measured before them whose point folder is gone).", ""]
     if out:
         out = ["### The host tier's update: CPU kernel alone vs the GPU update path beside it", ""] + out
     return out
@@ -89,7 +104,7 @@ def _target_line(model: str, tokens: int, g: pd.DataFrame) -> list[str]:
     target = TARGETS.get((model, tokens))
     if target is None:
         return []
-    best = g[(g["status"] == "ok") & g["_t"].notna()]
+    best = g[(g["status"] == "ok") & g["_t"].notna()].sort_values("_t", ascending=False)
     if best.empty:
         return [f"Issue 23's target with clipping firing: ≥ {target:.0f} TFLOPS; no row measured.", ""]
     top = best.iloc[0]

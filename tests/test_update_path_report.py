@@ -39,7 +39,7 @@ def test_hybrid_against_the_cpu_path_with_its_keys_and_target(tmp_path):
                            max_grad_norm=1e9))
     text, errors = build_report(tmp_path, out_path=tmp_path / "REPORT.md", log=lambda *a: None)
     assert not errors
-    hybrid, cpu, other = _table(text, "#### update_path: qwen2.5-7b, 8×1024 tokens per step, H200 (clipping at max_grad_norm 1)")
+    hybrid, cpu, other = _table(text, "#### qwen2.5-7b, 8×1024 tokens per step, H200, clipping at max_grad_norm 1 (`update_path`)")
     assert hybrid.startswith("| streaming_hybrid | ") and f"| {2.44 / 1.80:.2f}× |" in hybrid
     assert "| 4 / 4 | 16.0 | 14.0 | 1.07 | 0.60 | 2.00 | 1.80 | 767ad1e |" in hybrid
     assert "| 1.00× |" in cpu and "| 30.0 | 0.0 | 1.86 | 1.70 |" in cpu
@@ -47,7 +47,7 @@ def test_hybrid_against_the_cpu_path_with_its_keys_and_target(tmp_path):
     best = FLOPS / 1.80 / 1e12
     verdict = "met" if best >= 200 else f"missed by {1 - best / 200:.1%}"
     assert f"target with clipping firing: ≥ 200 TFLOPS; best row streaming_hybrid {best:.1f} (767ad1e): {verdict}" in text
-    noclip = _table(text, "#### update_path_noclip: qwen2.5-7b, 8×1024 tokens per step, H200 (clipping off)")
+    noclip = _table(text, "#### qwen2.5-7b, 8×1024 tokens per step, H200, clipping off (`update_path_noclip`)")
     assert len(noclip) == 1 and "| 0 / 4 |" in noclip[0]
     assert text.count("Issue 23's target") == 1  # the target is for clipping firing only
 
@@ -66,6 +66,24 @@ def test_another_machines_folder_says_its_clipping_and_has_no_target(tmp_path):
         r = _row("streaming_cpu_pinned", 2.44, sweep=sweep, max_grad_norm=mgn, hardware="H100-80GB-HBM3")
         schema.append_row(tmp_path / sweep / "results.csv", r | dict(point=r["point"].replace("H200", "H100")))
     text, _ = build_report(tmp_path, out_path=tmp_path / "REPORT.md", log=lambda *a: None)
-    assert "#### update_path_noclip_h100: qwen2.5-7b, 8×1024 tokens per step, H100-80GB-HBM3 (clipping off)" in text
-    assert "#### update_path_h100: qwen2.5-7b, 8×1024 tokens per step, H100-80GB-HBM3 (clipping at max_grad_norm 1)" in text
+    assert "#### qwen2.5-7b, 8×1024 tokens per step, H100-80GB-HBM3, clipping off (`update_path_noclip_h100`)" in text
+    assert "#### qwen2.5-7b, 8×1024 tokens per step, H100-80GB-HBM3, clipping at max_grad_norm 1 (`update_path_h100`)" in text
     assert "Issue 23's target" not in text
+
+
+def test_another_commits_rows_share_the_table(tmp_path):
+    """update_path_<sha>: another commit's rows of the same points sit in the main folder's table, divided by
+    its CPU path."""
+    schema.append_row(tmp_path / "update_path" / "results.csv", _row("streaming_cpu_pinned", 2.44))
+    schema.append_row(tmp_path / "update_path" / "results.csv", _row("streaming_hybrid", 1.80))
+    schema.append_row(tmp_path / "update_path_799898c" / "results.csv",
+                      _row("streaming_hybrid", 1.98, sweep="update_path_799898c", sha="799898c"))
+    text, _ = build_report(tmp_path, out_path=tmp_path / "REPORT.md", log=lambda *a: None)
+    head = "#### qwen2.5-7b, 8×1024 tokens per step, H200, clipping at max_grad_norm 1 (`update_path`, `update_path_799898c`)"
+    new, old, cpu = _table(text, head)
+    assert "| 767ad1e |" in new and "| 799898c |" in old and f"| {2.44 / 1.98:.2f}× |" in old  # same call
+    schema.append_row(tmp_path / "update_path_799898c" / "results.csv",
+                      _row("streaming_hybrid", 1.98, sweep="update_path_799898c", sha="799898c",
+                           date="2026-12-05T09:00:00"))  # a day before: another call
+    text, _ = build_report(tmp_path, out_path=tmp_path / "REPORT.md", log=lambda *a: None)
+    assert "| 799898c ‡ |" in _table(text, head)[1]
