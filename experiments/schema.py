@@ -442,9 +442,16 @@ def fill_derived(df) -> None:
     df.loc[need, "mfu"] = df.loc[need, "tflops"] / peak[need]
 
 
-def latest(df):
-    """The last row of each point (a re-run appends; the last one counts)."""
-    return df.drop_duplicates(subset=["point"], keep="last").reset_index(drop=True)
+def latest(df, key=("point",)):
+    """The last row of each point (a re-run appends; the last one counts), except that a budget cut
+    (``reason`` "budget_cut": the run's time budget stopped the point, which measured nothing) does not hide
+    an earlier ok row of the point: that measurement, with its own commit and date, stays the point's row
+    (the runner still retries the point: ``point_status`` reads the last row)."""
+    key = list(key)
+    cut = (df["reason"] == "budget_cut") & (df["status"] != "ok")
+    measured = df[df["status"] == "ok"].drop_duplicates(subset=key, keep="last")
+    hidden = cut & df.set_index(key).index.isin(measured.set_index(key).index)
+    return df[~hidden].drop_duplicates(subset=key, keep="last").reset_index(drop=True)
 
 
 def point_status(path) -> dict[str, str]:
@@ -503,11 +510,11 @@ def load_results(results_dir, sweeps=None, log=print) -> tuple[dict, list[str]]:
         if df.empty:
             log(f"[skip] sweep '{sweep}': {path} has no rows")
             continue
-        key = ["point", "system", "variant", "hardware"]
         n = len(df)
-        df = df.drop_duplicates(subset=key, keep="last").reset_index(drop=True)
+        df = latest(df, key=("point", "system", "variant", "hardware"))
         if len(df) < n:
-            log(f"[note] sweep '{sweep}': {n - len(df)} repeated row(s); kept the last of each")
+            log(f"[note] sweep '{sweep}': {n - len(df)} repeated row(s); kept the last of each (a budget cut "
+                "not over an earlier measurement)")
         frames[sweep] = df
     return frames, errors
 

@@ -259,3 +259,23 @@ def test_summarize_gives_the_host_update_phases_of_the_timed_steps():
     assert (m["cpu_groups"], m["gpu_path_groups"], m["host_update_busy_s"], m["optimizer_exposed_s"]) == (16, 14, 1.1, 0.8)
     plain = P.summarize([{k: v for k, v in r.items() if k != "phases"} for r in recs], pt)
     assert not set(schema.PHASE_COLUMNS) & set(plain)
+
+
+def test_a_budget_cut_does_not_hide_an_earlier_measurement(tmp_path):
+    """Readers keep the last row per point, but a budget cut (the run's time budget stopped the point: nothing
+    measured) leaves an earlier ok row of the point in place; a real failure after it still wins, and the
+    runner's point_status still sees the cut (a rerun retries it)."""
+    path = tmp_path / "results.csv"
+    rows = [dict(point="a", status="ok", git_sha="old", tflops=275.0, step_time_median_s=1.0),
+            dict(point="a", status="timeout", reason="budget_cut", git_sha="new"),
+            dict(point="b", status="ok", git_sha="old", tflops=100.0, step_time_median_s=1.0),
+            dict(point="b", status="timeout", git_sha="new"),  # its own timeout: a failure, it wins
+            dict(point="c", status="timeout", reason="budget_cut", git_sha="new")]  # nothing measured ever
+    for r in rows:
+        schema.append_row(path, schema.make_row(sweep="s", system="megatrain", hardware="H200", **r))
+    df = schema.latest(schema.read_results(path)).set_index("point")
+    assert (df.loc["a", "status"], df.loc["a", "git_sha"], df.loc["a", "tflops"]) == ("ok", "old", 275.0)
+    assert (df.loc["b", "status"], df.loc["c", "status"]) == ("timeout", "timeout")
+    frames, _ = schema.load_results(tmp_path.parent, sweeps=[tmp_path.name], log=lambda *a: None)
+    assert frames[tmp_path.name].set_index("point").loc["a", "status"] == "ok"
+    assert schema.point_status(path) == {"a": "timeout", "b": "timeout", "c": "timeout"}
