@@ -6,8 +6,9 @@ on an update stream with the step's clip coefficient, and master, m, v go back o
 the (pinned) host store, in chunks through two rotating buffers. The updated master stays on the GPU in a
 *kept* buffer when the staging budget allows, and every load of the group until its next update casts it
 into its slot from there (``device_source``): the next forward's and the backward's (no load over the link,
-no wait for the download); otherwise a load reads host RAM once the download has landed. The gradient is used where it waits (on the GPU; uploaded first with
-grad_placement="host"). With prefetch, a group's state goes up during the backward instead.
+no wait for the download); otherwise a load reads host RAM once the download has landed. The gradient is
+used where it waits (on the GPU; uploaded first with grad_placement="host"). With prefetch, a group's state
+goes up during the backward instead.
 
 The host tier's optimizer that shares the groups between this path and the CPU kernel is
 ``HybridHostAdamW`` (megatrain/host_tier.py).
@@ -18,7 +19,8 @@ nor its compute. Ordering, per chunk: upload waits for the rotating buffer's pre
 the group's own previous download; update waits for the upload and the gradient; download waits for the
 update. A load of the group waits (on the engine's H2D stream) for the update when it reads the kept
 master, for the download otherwise. The next update's uploads overwrite a kept master only after every
-cast queued on the H2D stream before it (the last step's forward and backward loads). On a CPU run every stream is a no-op and the same code runs in order.
+cast queued on the H2D stream before it (the last step's forward and backward loads). On a CPU run every
+stream is a no-op and the same code runs in order.
 """
 from __future__ import annotations
 
