@@ -15,6 +15,7 @@
 #           machine), then issue 24's ZenFlow (unpinned) at 3B 64x1024 with what is left
 #   call 4 (instead of 1-3 when little device time is left): 7B clipping fires (CPU, hybrid, 799898c's hybrid),
 #           then 14B tiered (hybrid, CPU)
+#   call 5 (the last few minutes): 7B hybrid, then the CPU path
 # Every call stashes its GGUF part first. Usage (repo root): bash results/update_path/chain_1206.sh K <git sha>
 set -uo pipefail
 K=$1
@@ -87,6 +88,13 @@ case $K in
     old $ORDER 'sweep.models=[qwen2.5-7b]' 'only=[megatrain__qwen2.5-7b__*__b8__streaming_hybrid__*]' time_budget_s=$(budget 285)
     new $ORDER 'sweep.models=[qwen2.5-14b]' "only=[$P14]" time_budget_s=$(budget 420)
     ;;
-  *) say "K must be 1, 2, 3 or 4"; exit 2 ;;
+  5)  # the last few minutes of a session's device time: 7B hybrid, then the CPU path beside it (clipping fires)
+    build_kernels
+    new 'steps=3 warmup_steps=4 timeout_s=80' 'sweep.models=[qwen2.5-7b]' \
+      'only=[megatrain__qwen2.5-7b__*__b8__streaming_hybrid__*]' time_budget_s=$(budget 150)
+    new 'steps=3 warmup_steps=4 timeout_s=80' 'sweep.models=[qwen2.5-7b]' \
+      'only=[megatrain__qwen2.5-7b__*__b8__streaming_cpu_pinned__*]' time_budget_s=$(budget 200)
+    ;;
+  *) say "K must be 1 to 5"; exit 2 ;;
 esac
 say done
