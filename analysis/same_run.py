@@ -35,11 +35,14 @@ def _compared_tflops(r: pd.Series) -> float | None:
     return _num(as_compared(r, "tflops").get("tflops"))
 
 
-def _same_call(r: pd.Series, ref: pd.Series) -> bool:
-    if short_sha(r) != short_sha(ref):
-        return False
+def _close_in_time(r: pd.Series, ref: pd.Series) -> bool:
+    """Both rows written within ``SAME_CALL_S`` of each other."""
     a, b = pd.to_datetime(r.get("date"), errors="coerce"), pd.to_datetime(ref.get("date"), errors="coerce")
     return pd.notna(a) and pd.notna(b) and abs((a - b).total_seconds()) <= SAME_CALL_S
+
+
+def _same_call(r: pd.Series, ref: pd.Series) -> bool:
+    return short_sha(r) == short_sha(ref) and _close_in_time(r, ref)
 
 
 def _config(r: pd.Series) -> str:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from experiments.schema import folder_is_rows
+
 FALL_TOL = 0.15   # a fall of more than 15 % from the first to the last timed step is not noise
 DAGGER = "†"
 
@@ -49,8 +51,6 @@ def timed_step_times(point_dir: Path) -> list[float]:
     return [float(r["step_time_s"]) for r in timed_records(point_dir) if r.get("step_time_s") is not None]
 
 
-MATCH_TOL = 0.005  # a folder's timed-step median within 0.5 % of the row's median: the row was made from it
-
 
 def row_folder(results_dir, sweep: str, row) -> Path | None:
     """The point folder of ``row`` when its timed steps are the ones the row was computed from, else None.
@@ -60,12 +60,7 @@ def row_folder(results_dir, sweep: str, row) -> Path | None:
     (the steady check, the phase table) must not attach them to the newer one. The row's
     ``step_time_median_s`` is the median of its folder's timed steps, so a mismatch shows the folder is stale."""
     point_dir = Path(results_dir) / sweep / str(row["point"])
-    times = timed_step_times(point_dir)
-    want = pd.to_numeric(pd.Series([row.get("step_time_median_s")]), errors="coerce").iloc[0]
-    if not times or pd.isna(want) or want <= 0:
-        return None
-    got = float(pd.Series(times).median())
-    return point_dir if abs(got - want) <= MATCH_TOL * want else None
+    return point_dir if folder_is_rows(timed_step_times(point_dir), row.get("step_time_median_s")) else None
 
 
 def falling_note(times: list[float], tol: float = FALL_TOL) -> str:

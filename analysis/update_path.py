@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .same_run import OTHER_CALL, _num, _same_call
+from .same_run import OTHER_CALL, _close_in_time, _num, _same_call
 from .style import short_sha
 
 CLIP, NOCLIP = "update_path", "update_path_noclip"  # other update_path_* folders: another commit or machine
@@ -47,9 +47,7 @@ def _fmt(v, digits: int) -> str:
 def _same_call_here(r: pd.Series, ref: pd.Series) -> bool:
     """``same_run._same_call``; a row of another commit's folder (``update_path_<sha>``, run by that commit's own
     runner in the same device call, interleaved) counts by its time alone."""
-    if r["_sweep"] == ref["_sweep"]:
-        return _same_call(r, ref)
-    return _same_call(pd.concat([r.drop("git_sha"), pd.Series({"git_sha": ref["git_sha"]})]), ref)
+    return _same_call(r, ref) if r["_sweep"] == ref["_sweep"] else _close_in_time(r, ref)
 
 
 def _clipping(r: pd.Series) -> str:

@@ -163,6 +163,21 @@ HEADERS: dict[int, list[str]] = {4: COLUMNS, 3: COLUMNS[:COLUMNS.index(PHASE_COL
                                  2: COLUMNS[:COLUMNS.index("reason")], 1: COLUMNS[:COLUMNS.index("optimizer")]}
 READABLE_HEADERS: list[list[str]] = list(HEADERS.values())
 
+# A point folder is a row's own when its timed steps' median is within this of the row's median (a merged row
+# whose folder did not come back sits beside an older run's folder: its steps are not the row's).
+FOLDER_MATCH_TOL = 0.005
+
+
+def folder_is_rows(times: list[float], median_s) -> bool:
+    """Whether timed step ``times`` (a point folder's) are the ones a row of median ``median_s`` came from."""
+    try:
+        want = float(median_s)
+    except (TypeError, ValueError):
+        return False
+    if not times or not math.isfinite(want) or want <= 0:
+        return False
+    return abs(statistics.median(times) - want) <= FOLDER_MATCH_TOL * want
+
 
 def phase_medians(timed: list[dict]) -> dict:
     """The v4 columns (``PHASE_COLUMNS``) of a point: the median over its timed steps' records (metrics.jsonl

@@ -95,16 +95,14 @@ def phase_fields(point_dir: Path, median_s: float | None) -> dict:
     """The v4 columns (``experiments.schema.PHASE_COLUMNS``: medians over the timed steps of MegaTrain's
     per-step phases) from ``metrics.jsonl``, only when that folder's timed-step median is the row's own
     (``median_s``): a folder left by another run of the point must not lend its phases."""
-    from .schema import phase_medians
+    from .schema import folder_is_rows, phase_medians
 
     try:
         recs = [json.loads(l) for l in (point_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
     except (OSError, ValueError):
         return {}
     timed = [r for r in recs if isinstance(r, dict) and not r.get("warmup") and r.get("step_time_s") is not None]
-    if not timed or median_s is None:
-        return {}
-    if abs(statistics.median(float(r["step_time_s"]) for r in timed) - median_s) > 1e-4 * max(1.0, median_s):
+    if not folder_is_rows([float(r["step_time_s"]) for r in timed], median_s):
         return {}
     return phase_medians(timed)
 
