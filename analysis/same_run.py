@@ -19,7 +19,7 @@ from baselines.registry import SYSTEMS, record
 
 from .style import PARTIAL, SECTION as NOT_EXACT, as_compared, partial_mark, row_settings, short_sha, status_short
 
-SWEEPS = ("baselines2026",)          # sweeps that get the table
+SWEEPS = ("baselines2026",)          # sweeps that get the table (and their machine folders, baselines2026_h100)
 REFERENCE = ("megatrain", "default")  # the row every ratio divides by
 SAME_CALL_S = 3600                    # rows written within an hour of the reference (and same SHA): one call
 OTHER_CALL = "‡"
@@ -72,7 +72,7 @@ def _gib(v) -> str:
 
 def table_lines(sweep: str, df: pd.DataFrame) -> list[str]:
     """One table per (model, tokens per step) of ``df`` (latest rows) that has an ok reference row."""
-    if sweep not in SWEEPS or df.empty:
+    if not any(sweep == s or sweep.startswith(s + "_") for s in SWEEPS) or df.empty:
         return []
     out = []
     for (model, tokens), g in df.groupby(["model", "tokens_per_step"], sort=False):

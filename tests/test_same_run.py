@@ -59,3 +59,15 @@ def test_no_table_without_a_megatrain_row(tmp_path):
     schema.append_row(tmp_path / "baselines2026" / "results.csv", _row("zero3", 3.0))
     text, _ = build_report(tmp_path, out_path=tmp_path / "REPORT.md", log=lambda *a: None)
     assert "every system against MegaTrain" not in text
+
+
+def test_a_machine_folder_gets_its_own_table(tmp_path):
+    """Rows of another machine live in their own folder (baselines2026_h100): it gets its table too, titled by it."""
+    for r in (_row("megatrain", 0.9), _row("zero3", 3.6)):
+        r = r | dict(point=r["point"].replace("H200", "H100-80GB-HBM3"), hardware="H100-80GB-HBM3",
+                     gpu_name="NVIDIA H100 80GB HBM3")
+        schema.append_row(tmp_path / "baselines2026_h100" / "results.csv", r)
+    text, _ = build_report(tmp_path, out_path=tmp_path / "REPORT.md", log=lambda *a: None)
+    head = "#### baselines2026_h100: qwen2.5-3b, 16×1024 tokens per step, every system against MegaTrain"
+    assert head in text
+    assert "| ZeRO-3 | " in text[text.index(head):] and "| 0.25× |" in text[text.index(head):]
