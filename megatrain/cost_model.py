@@ -253,10 +253,10 @@ def predict(load: StepLoad, rates: Rates | None = None) -> Prediction:
                  host_update_exposed_s=0.0, gpu_update_s=gpu_update, h2d_s=h2d, d2h_s=d2h)
     reason = ""
     if load.update_path == "hybrid" and load.params_host:
-        split, on_gpu_path, candidates = hybrid_split(load, rates, backward_s=bwd)
+        split, on_gpu_path, candidates, contested = hybrid_split(load, rates, backward_s=bwd)
         reason = split.reason
         parts.update(host_update_cpu_only_s=host_update, gpu_path_groups=float(len(split.gpu)),
-                     gpu_path_candidates=float(candidates),
+                     gpu_path_candidates=float(candidates), gpu_path_contested=float(contested),
                      gpu_path_params=float(sum(p for p, on in zip(_host_groups(load), on_gpu_path) if on)))
         if split.gpu:
             if _masters_kept(load):  # a GPU-path layer's backward load casts its kept master: off the link
@@ -304,8 +304,9 @@ def hybrid_split(load: StepLoad, rates: Rates, backward_s: float) -> tuple["upda
     for a step that waits for the norm, the split the runtime makes first (``megatrain.host_tier.first_split``,
     the same function at the same rates and staging, so the plan and the engine agree on the groups); for a
     speculative one, ``plan_split``'s prefix with the CPU path's head start ``backward_s``. Returns the split,
-    per host group (forward order) whether it takes the GPU path, and how many groups the runtime's GPU path
-    would hold (``first_split``'s candidates; 0: the engine builds no GPU path)."""
+    per host group (forward order) whether it takes the GPU path, how many groups the runtime's GPU path
+    would hold (``first_split``'s candidates; 0: the engine builds no GPU path), and how many of them come
+    from a contested after-norm split (no group planned first, but one predicted within MODEL_DOUBT)."""
     from .host_tier import first_split, split_args  # the runtime's split (imports torch: not at module load)
 
     groups = _host_groups(load)
@@ -315,9 +316,10 @@ def hybrid_split(load: StepLoad, rates: Rates, backward_s: float) -> tuple["upda
               stream_bytes=load.stream_bytes, grad_bytes=load.grad_bytes, shadow=load.bf16_shadow)
     urates = rates.update_rates()
     split, candidates = first_split(order, urates, **kw)
+    contested = len(split.contested) if split.contested and not split.gpu and set(split.contested) <= set(candidates) else 0
     if load.speculate:
         args = split_args(groups, **kw)
         split = (update_split.plan_split(order, urates, speculative=True, backward_s=backward_s, **args) if args
                  else update_split.Split([], names, reason="the GPU staging holds no chunk"))
     chosen = set(split.gpu)
-    return split, [x in chosen for x in names], len(candidates)
+    return split, [x in chosen for x in names], len(candidates), contested

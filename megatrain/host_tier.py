@@ -265,9 +265,12 @@ def split_args(numels: list[int], *, staging_bytes: float, grads_on_host: bool, 
 def first_split(order: list[tuple[str, int]], rates: UpdateRates, **kw) -> tuple[Split, list[str]]:
     """What ``build_host_tier`` decides first (gpu_path_groups "auto", no prefetch) at ``rates`` for the
     host-tier groups ``order`` ((name, numel), forward order); ``kw``: ``split_args``'s. Returns the split for a
-    step that waits for the global norm, and the GPU path's candidates: those groups and the longest prefix a
-    speculative step may take (no head start); no candidate: no GPU path is built. The planner's step-time
-    model predicts the hybrid host update with this same function (one set of rates for both)."""
+    step that waits for the global norm, and the GPU path's candidates: those groups, the longest prefix a
+    speculative step may take (no head start), and a contested split's groups (one the model predicted no
+    faster than the CPU path alone, but within ``update_split.MODEL_DOUBT`` of it: the first split stays the
+    CPU path alone, and the runtime's SplitChooser tries the split once its calibrated rates predict a gain);
+    no candidate: no GPU path is built. The planner's step-time model predicts the hybrid host update with
+    this same function (one set of rates for both)."""
     names = [x for x, _ in order]
     args = split_args([n for _, n in order], **kw) if order else None
     if args is None:
@@ -278,6 +281,8 @@ def first_split(order: list[tuple[str, int]], rates: UpdateRates, **kw) -> tuple
     # longest one (no head start) bounds which groups it may ever take.
     longest = len(plan_split(order, rates, speculative=True, backward_s=0.0, **args).gpu)
     chosen = set(split.gpu) | set(names[:longest])
+    if split.contested and split.contested_s <= split.predicted_cpu_only_s * (1 + update_split.MODEL_DOUBT):
+        chosen |= set(split.contested)
     return split, [x for x in names if x in chosen]
 
 

@@ -33,6 +33,11 @@ from dataclasses import dataclass, field
 
 GB = 1e9
 STATE_BYTES = 12  # fp32 master + m + v, each way
+# How far the model's CPU-path time may be off: a split predicted up to this much slower than the CPU path
+# alone is still built as candidates, and the step times decide (SplitChooser). On the H100 node, 7B pure
+# streaming 8x1024: the CPU kernel measured 4.33 Gparam/s alone at build, 3.3 in the step (2.29 s busy
+# against 1.76 predicted: 30 % slower), and the split was predicted 1.7 % slower than the CPU path alone.
+MODEL_DOUBT = 0.15
 
 
 @dataclass
@@ -79,6 +84,11 @@ class Split:
     # The model's time from the norm until the GPU path's last download (its busy span, which the runtime
     # measures as gpu_path_busy_s; 0: no GPU-path group, or not modelled): what calibration compares.
     predicted_gpu_path_s: float = 0.0
+    # A split the list schedule found but did not plan, because at these rates it was predicted no faster
+    # than the CPU path alone: its GPU-path groups and its predicted time (``host_tier.first_split`` keeps
+    # them as candidates when that time is within MODEL_DOUBT of the CPU path's: measurements decide).
+    contested: list[str] = field(default_factory=list)
+    contested_s: float = 0.0
 
     @property
     def key(self) -> tuple[str, ...]:
@@ -196,7 +206,7 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
                      predicted_gpu_path_s=gpu_end)
     if t >= only:  # never plan a split the model predicts slower than the CPU path alone
         return Split([], [x for x, _ in numels], only, only,
-                     f"after the norm: CPU only (the split would take {t:.3f} s)")
+                     f"after the norm: CPU only (the split would take {t:.3f} s)", contested=gpu, contested_s=t)
     return Split(gpu, cpu, t, only, f"after the norm: list scheduling, {len(gpu)} of {len(numels)} groups on the GPU",
                  predicted_gpu_path_s=gpu_end)
 

@@ -138,7 +138,7 @@ def test_cost_model_hybrid_is_the_split_of_update_split():
     cpu = cost_model.predict(load)
     hybrid = cost_model.predict(dataclasses.replace(load, update_path="hybrid"))
     assert hybrid.parts["host_update_cpu_only_s"] == pytest.approx(cpu.parts["host_update_s"], rel=1e-2)
-    split, on, _ = cost_model.hybrid_split(load, cost_model.Rates(), 0.0)
+    split, on, _, _ = cost_model.hybrid_split(load, cost_model.Rates(), 0.0)
     assert split.predicted_cpu_only_s == pytest.approx(cpu.parts["host_update_s"], rel=1e-2)
     assert hybrid.parts["host_update_s"] == pytest.approx(split.predicted_s)
     assert len(on) == len(_numels()) and sum(on) == len(split.gpu) == hybrid.parts["gpu_path_groups"]
@@ -186,7 +186,7 @@ def test_cost_model_gpu_path_backward_casts_kept_masters():
     assert load.host_group_layers == [-1, *range(LAYERS), -1]
     cpu = cost_model.predict(load)
     hybrid = cost_model.predict(dataclasses.replace(load, update_path="hybrid"))
-    split, on, _ = cost_model.hybrid_split(load, cost_model.Rates(), 0.0)
+    split, on, _, _ = cost_model.hybrid_split(load, cost_model.Rates(), 0.0)
     layers_on_path = sum(1 for layer, x in zip(load.host_group_layers, on) if x and layer >= 0)
     assert layers_on_path > 0
     per_layer = 50_000_000 * load.stream_bytes / (cost_model.Rates().h2d_gbps * cost_model.GB)
