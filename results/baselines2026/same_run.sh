@@ -5,10 +5,10 @@
 # Durations per point from the H200 rows of 2026-12-04/05 (duration_s, model build included):
 #   call 1 (~8 min): kernels (host AdamW, DeepSpeed cpu_adam), all-on-GPU best (40 s), MegaTrain tiered (33),
 #                    MegaTrain pure streaming (33), ZeRO-2 (123), ZeRO-3 (114), FSDP2 (93)
-#   call 2 (~8.5 min): ZenFlow unpinned (95-105), SuperOffload without clipping (189), SuperOffload (209, partial
-#                    before at a 200 s timeout: 300 here)
-#   call 3 (~9 min): ColossalAI Gemini (253 partial before; its JIT ~2 min: timeout 420), then ZenFlow unpinned at
-#                    64x1024 with what is left (issue 24's other shape)
+#   call 2 (~8.5 min): ZenFlow unpinned (95-105), ZenFlow unpinned at 64x1024 (issue 24's other shape; ~4x the
+#                    16x1024 step), SuperOffload without clipping (189) with what is left
+#   call 3 (~9 min): ColossalAI Gemini (253 partial before; its JIT ~2 min: timeout 300), then SuperOffload (209,
+#                    partial before at a 200 s timeout) with what is left
 # Each call works on a fresh machine too (install, kernels); rows land in /tmp/sr<K>, one tarball per call.
 # Merge: python scripts/merge_results.py /tmp/srK/baselines2026 results/baselines2026 --replace  (K = 1, 2, 3)
 # Usage (repo root): bash results/baselines2026/same_run.sh K <git sha>
@@ -27,10 +27,11 @@ B16='steps=6 warmup_steps=3'
 case $K in
   1) run $B16 'only=[native__qwen2.5-3b__*__b16__default__*,megatrain__qwen2.5-3b__*__b16__default__*,megatrain__qwen2.5-3b__*__b16__pure_streaming__*,zero2__qwen2.5-3b__*__b16__default__*,zero3__qwen2.5-3b__*__b16__default__*,fsdp__qwen2.5-3b__*__b16__default__*]' \
        time_budget_s=$(budget 560) timeout_s=200 ;;
-  2) run $B16 'only=[zenflow__qwen2.5-3b__*__b16__unpinned__*,superoffload_noclip__qwen2.5-3b__*__b16__default__*,superoffload__qwen2.5-3b__*__b16__default__*]' \
-       time_budget_s=$(budget 560) timeout_s=300 ;;
-  3) run $B16 'only=[gemini__qwen2.5-3b__*__b16__default__*]' time_budget_s=$(budget 450) timeout_s=420
-     run 'only=[zenflow__qwen2.5-3b__*__b64__unpinned__*]' time_budget_s=$(budget 565) timeout_s=400 ;;
+  2) run $B16 'only=[zenflow__qwen2.5-3b__*__b16__unpinned__*]' time_budget_s=$(budget 200) timeout_s=180
+     run $B16 'only=[zenflow__qwen2.5-3b__*__b64__unpinned__*]' time_budget_s=$(budget 420) timeout_s=300
+     run $B16 'only=[superoffload_noclip__qwen2.5-3b__*__b16__default__*]' time_budget_s=$(budget 565) timeout_s=300 ;;
+  3) run $B16 'only=[gemini__qwen2.5-3b__*__b16__default__*]' time_budget_s=$(budget 330) timeout_s=300
+     run $B16 'only=[superoffload__qwen2.5-3b__*__b16__default__*]' time_budget_s=$(budget 565) timeout_s=300 ;;
   *) say "K must be 1, 2 or 3"; exit 2 ;;
 esac
 say done
