@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from . import same_run
 from .fig_host_side import fig_host_side
+from .fig_same_run import fig_same_run
 from experiments.schema import fill_x_from_point
 from .style import *  # noqa: F403
 from .style import (_fail_handle, _finish, _legend, _line_panel, _log2_ticks, _mark_failures, _series_key,  # noqa: F401,E501
@@ -528,7 +530,9 @@ def fig_generic(df, out, formats, name: str):
             r = rows.iloc[-1]
             x = i - 0.4 + width * (j + 0.5)
             if r["status"] == "ok" and pd.notna(r[metric]):
-                ax.bar(x, float(r[metric]), width=width * 0.9, color=color, zorder=3, label=label if i == 0 else None)
+                # the legend names a system at its first bar, whichever setup that is
+                ax.bar(x, float(r[metric]), width=width * 0.9, color=color, zorder=3, label=label)
+                label = None
             else:
                 _bar_fail(ax, x, top, r, color)
     ax.set_xticks(range(len(setups)))
@@ -562,6 +566,8 @@ def figures_for(sweep: str) -> list:
         return FIGURES[sweep]
     if sweep.startswith("accuracy_sft_"):  # another machine's SFT rows: drawn like accuracy_sft's, by sft_report
         return FIGURES["accuracy_sft"]
+    if same_run.is_sweep(sweep):  # baselines2026 (and its machine folders): the same-run table drawn
+        return [(sweep, lambda df, out, formats, _n=sweep: fig_same_run(df, out, formats, _n))]
     return [(sweep, lambda df, out, formats, _n=sweep: fig_generic(df, out, formats, _n))]
 
 

@@ -94,8 +94,8 @@ def _formulas(rows: pd.DataFrame) -> list[str]:
         "## Formulas", "",
         f"- **{TFLOPS_FORMULA}** — P parameters, T tokens per optimizer step, L layers, h hidden size, "
         "s sequence length. Activation recomputation is *not* counted (useful model FLOPs only).",
-        f"- **MFU = TFLOPS / peak**, peak = `peak_tflops` column (H200: measured dense bf16 {H200_PEAK_TFLOPS} "
-        "TFLOPS).",
+        f"- **MFU = TFLOPS / peak**, peak = `peak_tflops` column, else the GPU's measured peak (H200: dense bf16 "
+        f"{H200_PEAK_TFLOPS} TFLOPS); a GPU without a measured peak (the H100) gets no MFU, never another GPU's.",
         "- tokens/s = tokens per step / median step time (after warm-up steps).",
         "- Host memory = peak RSS of the training process; 12 bytes/param = fp32 master weights + Adam m + v "
         "(the floor for any fp32-Adam offload); the engine's estimate adds gradients, slabs and overhead.",

@@ -70,34 +70,54 @@ def _gib(v) -> str:
     return f"{v:.1f}" if v is not None else "—"
 
 
-def table_lines(sweep: str, df: pd.DataFrame) -> list[str]:
-    """One table per (model, tokens per step) of ``df`` (latest rows) that has an ok reference row."""
-    if not any(sweep == s or sweep.startswith(s + "_") for s in SWEEPS) or df.empty:
-        return []
-    out = []
+def is_sweep(sweep: str) -> bool:
+    """A sweep that gets the table: one of ``SWEEPS`` or its machine folder (baselines2026_h100)."""
+    return any(sweep == s or sweep.startswith(s + "_") for s in SWEEPS)
+
+
+def shapes(df: pd.DataFrame, need_reference: bool = True):
+    """(model, tokens per step, seq len, reference row or None, rows) per shape of ``df`` (latest rows), the rows
+    fastest first as compared (column ``_t``: ``style.as_compared`` TFLOPS; failures last). ``need_reference``:
+    only shapes with an ok MegaTrain tiered row (what a ratio divides by)."""
+    rank = {s: i for i, s in enumerate(SYSTEMS)}
     for (model, tokens), g in df.groupby(["model", "tokens_per_step"], sort=False):
         refs = g[(g["system"] == REFERENCE[0]) & (g["variant"] == REFERENCE[1]) & (g["status"] == "ok")]
-        if refs.empty:
+        if refs.empty and need_reference:
             continue
-        ref = refs.iloc[-1]
-        ref_t = _compared_tflops(ref)
-        seq = int(ref["seq_len"])
-        out += [f"#### {sweep}: {model}, {int(tokens) // seq}×{seq} tokens per step, every system against MegaTrain", "",
-                "| system | TFLOPS (range) | ÷ MegaTrain | GPU peak (GiB) | host peak (GiB) | host B/param | commit | "
-                "configuration |", "|---|---|---|---|---|---|---|---|"]
-        rank = {s: i for i, s in enumerate(SYSTEMS)}
+        ref = refs.iloc[-1] if not refs.empty else None
         g = g.assign(_t=g.apply(_compared_tflops, axis=1), _rank=g["system"].map(rank))
         g = g.sort_values(["_t", "_rank"], ascending=[False, True], na_position="last")
+        yield model, int(tokens), int(g["seq_len"].iloc[0]), ref, g
+
+
+def system_name(r: pd.Series) -> str:
+    """"ZenFlow · unpinned": the system's short name, and its variant unless it is the default."""
+    return record(r["system"]).short + ("" if r["variant"] in ("default", "") else f" · {r['variant']}")
+
+
+def marks(r: pd.Series) -> str:
+    """§ (not exact AdamW, compared by its mean step) and ◊ (partial) of a row."""
+    return (NOT_EXACT if not record(r["system"]).exact_adamw else "") + partial_mark(r)
+
+
+def table_lines(sweep: str, df: pd.DataFrame) -> list[str]:
+    """One table per (model, tokens per step) of ``df`` (latest rows) that has an ok reference row."""
+    if not is_sweep(sweep) or df.empty:
+        return []
+    out = []
+    for model, tokens, seq, ref, g in shapes(df):
+        ref_t = _compared_tflops(ref)
+        out += [f"#### {sweep}: {model}, {tokens // seq}×{seq} tokens per step, every system against MegaTrain", "",
+                "| system | TFLOPS (range) | ÷ MegaTrain | GPU peak (GiB) | host peak (GiB) | host B/param | commit | "
+                "configuration |", "|---|---|---|---|---|---|---|---|"]
         for _, r in g.iterrows():
-            rec = record(r["system"])
-            name = rec.short + ("" if r["variant"] in ("default", "") else f" · {r['variant']}")
-            marks = (NOT_EXACT if not rec.exact_adamw else "") + partial_mark(r)
+            name, marks_ = system_name(r), marks(r)
             if r["status"] == "ok" and r["_t"] is not None and pd.notna(r["_t"]):
                 c = as_compared(r, "tflops")  # a by-mean system has no range: it would span its waits
                 lo, hi = _num(c.get("step_time_min_s")), _num(c.get("step_time_max_s"))
                 med = _num(r.get("step_time_median_s"))
                 rng = f" ({r['_t'] * med / hi:.0f}–{r['_t'] * med / lo:.0f})" if lo and hi and med else ""
-                value, ratio = f"{r['_t']:.1f}{marks}{rng}", f"{r['_t'] / ref_t:.2f}×"
+                value, ratio = f"{r['_t']:.1f}{marks_}{rng}", f"{r['_t'] / ref_t:.2f}×"
             else:
                 value, ratio = f"*{status_short(r)}*", "—"
             commit = short_sha(r) + ("" if _same_call(r, ref) else f" {OTHER_CALL}")

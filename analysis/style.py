@@ -10,7 +10,7 @@ import pandas as pd
 
 from baselines.registry import SYSTEM_RECORDS, SYSTEMS as REGISTERED_SYSTEMS, record
 
-from experiments.schema import H200_PEAK_TFLOPS, fill_x_from_point, is_sample, known_sweeps
+from experiments.schema import H200_PEAK_TFLOPS, fill_x_from_point, is_sample, known_sweeps, peak_tflops_for
 
 SWEEPS = known_sweeps()  # experiments/conf/sweep/*.yaml, in their order
 HARDWARE_ORDER = ("H200", "A100-80GB", "RTX-A6000-48GB", "RTX-3090-24GB")  # figure/table order of the profiles
@@ -29,8 +29,8 @@ ADAM_BYTES_PER_PARAM = 12  # fp32 master + Adam m + v
 TFLOPS_FORMULA = "TFLOPS = (6·P·T + 12·L·h·s·T) / step time / 1e12"
 FORMULA_NOTE = (
     TFLOPS_FORMULA + "   (P params, T tokens/step, L layers, h hidden, s seq len; "
-    "activation recompute not counted).   MFU = TFLOPS / peak (H200 measured dense bf16 "
-    f"{H200_PEAK_TFLOPS} TFLOPS)."
+    "activation recompute not counted).   MFU = TFLOPS / the GPU's measured peak (H200: dense bf16 "
+    f"{H200_PEAK_TFLOPS} TFLOPS; a GPU without a measured peak, e.g. the H100, gets no MFU)."
 )
 
 
@@ -312,8 +312,14 @@ def _line_panel(ax, df: pd.DataFrame, xcol: str, ycol: str, ylabel: str, *, band
 
 
 def _mfu_axis(ax, df: pd.DataFrame):
-    """Right-hand MFU axis (percent of the peak in the CSV, default H200 797.5)."""
-    peak = float(df["peak_tflops"].dropna().median()) if df["peak_tflops"].notna().any() else H200_PEAK_TFLOPS
+    """Right-hand MFU axis (percent of the rows' peak: the CSV's, else their GPU's measured one); none when
+    the rows' GPU has no measured peak (an H100 figure gets no MFU borrowed from the H200)."""
+    peaks = df["peak_tflops"] if "peak_tflops" in df else pd.Series(dtype=float)
+    if "gpu_name" in df:
+        peaks = peaks.fillna(df["gpu_name"].map(peak_tflops_for).astype(float))
+    if not peaks.notna().any():
+        return None
+    peak = float(peaks.dropna().median())
     sec = ax.secondary_yaxis("right", functions=(lambda t: t / peak * 100, lambda m: m * peak / 100))
     lo, hi = ax.get_ylim()
     from matplotlib.ticker import MaxNLocator  # noqa: PLC0415

@@ -31,17 +31,8 @@ from megatrain.config import EngineConfig
 from megatrain.system import OptimConfig
 
 from .sft_config import SFTConfig
-from .schema import H200_PEAK_TFLOPS, PEAK_TFLOPS  # noqa: F401  (the one copy: a measurement fact of rows)
+from .schema import H200_PEAK_TFLOPS, PEAK_TFLOPS, peak_tflops_for  # noqa: F401  (the one copy: a fact of rows)
 HARDWARE_ORDER = ("H200", "A100-80GB", "RTX-A6000-48GB", "RTX-3090-24GB")  # figure/table order
-
-
-def peak_tflops_for(gpu_name: str | None) -> float | None:
-    if not gpu_name:
-        return None
-    for key, value in PEAK_TFLOPS.items():
-        if key.lower() in gpu_name.lower():
-            return value
-    return None
 
 
 @dataclass

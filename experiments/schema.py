@@ -38,6 +38,17 @@ PEAK_TFLOPS: dict[str, float] = {
 }
 H200_PEAK_TFLOPS = PEAK_TFLOPS["H200"]
 
+
+def peak_tflops_for(gpu_name: str | None) -> float | None:
+    """The measured peak of a GPU (``PEAK_TFLOPS`` key found in its name, case-insensitive); None when none
+    was measured (e.g. the H100: its rows get no MFU rather than another GPU's peak)."""
+    if not isinstance(gpu_name, str) or not gpu_name:
+        return None
+    for key, value in PEAK_TFLOPS.items():
+        if key.lower() in gpu_name.lower():
+            return value
+    return None
+
 STATUSES = ("ok", "skipped", "gpu_oom", "host_oom", "timeout", "error")
 DONE_STATUSES = ("ok", "skipped")  # not re-run on a rerun unless redo=true
 # Why a row has no number (or only part of one), as a field (``reason``); "" for a complete ok row and for
@@ -451,8 +462,11 @@ def fill_derived(df) -> None:
     need = df["tflops"].isna() & df["step_time_median_s"].notna() & (df["status"] == "ok")
     if need.any():
         df.loc[need, "tflops"] = formula_tflops(df[need])
-    # rows without a peak: H200 rows of old CSVs (the peak column came later); never a CPU row
-    peak = df["peak_tflops"].where(df["peak_tflops"].notna() | (df["hardware"] == "cpu"), H200_PEAK_TFLOPS)
+    # Rows without a peak: H200 rows of old CSVs (the peak column came later) get the H200's, found by their GPU's
+    # name like any other measured GPU; a GPU without a measured peak (H100) and a CPU row get none (no MFU).
+    by_name = df["gpu_name"].map(peak_tflops_for) if "gpu_name" in df else None
+    peak = df["peak_tflops"] if by_name is None else df["peak_tflops"].fillna(by_name.astype(float))
+    peak = peak.where(df["hardware"] != "cpu")
     need = df["mfu"].isna() & df["tflops"].notna() & peak.notna()
     df.loc[need, "mfu"] = df.loc[need, "tflops"] / peak[need]
 

@@ -279,3 +279,25 @@ def test_a_budget_cut_does_not_hide_an_earlier_measurement(tmp_path):
     frames, _ = schema.load_results(tmp_path.parent, sweeps=[tmp_path.name], log=lambda *a: None)
     assert frames[tmp_path.name].set_index("point").loc["a", "status"] == "ok"
     assert schema.point_status(path) == {"a": "timeout", "b": "timeout", "c": "timeout"}
+
+
+def test_mfu_is_filled_only_from_the_rows_own_gpu_peak():
+    """A row without a peak gets its GPU's measured one (an old H200 CSV: 797.5) -- never another GPU's: an H100
+    row (no measured peak) and a CPU row keep no MFU; a row's own peak_tflops wins."""
+    import pandas as pd
+
+    df = pd.DataFrame([
+        dict(status="ok", tflops=400.0, step_time_median_s=1.0, mfu=None, peak_tflops=None, hardware="H200",
+             gpu_name="NVIDIA H200"),
+        dict(status="ok", tflops=300.0, step_time_median_s=1.0, mfu=None, peak_tflops=None,
+             hardware="H100-80GB-HBM3", gpu_name="NVIDIA H100 80GB HBM3"),
+        dict(status="ok", tflops=1.0, step_time_median_s=1.0, mfu=None, peak_tflops=None, hardware="cpu",
+             gpu_name=None),
+        dict(status="ok", tflops=100.0, step_time_median_s=1.0, mfu=None, peak_tflops=312.0, hardware="A100-80GB",
+             gpu_name="NVIDIA H200"),
+    ])
+    schema.fill_derived(df)
+    assert df.loc[0, "mfu"] == pytest.approx(400.0 / schema.H200_PEAK_TFLOPS)
+    assert pd.isna(df.loc[1, "mfu"]) and pd.isna(df.loc[2, "mfu"])
+    assert df.loc[3, "mfu"] == pytest.approx(100.0 / 312.0)
+    assert schema.peak_tflops_for("NVIDIA H100 80GB HBM3") is None

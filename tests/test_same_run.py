@@ -71,3 +71,52 @@ def test_a_machine_folder_gets_its_own_table(tmp_path):
     head = "#### baselines2026_h100: qwen2.5-3b, 16×1024 tokens per step, every system against MegaTrain"
     assert head in text
     assert "| ZeRO-3 | " in text[text.index(head):] and "| 0.25× |" in text[text.index(head):]
+
+
+def test_the_figure_draws_the_tables_numbers_fastest_first(tmp_path):
+    """baselines2026 and its machine folders are drawn by analysis.fig_same_run: one panel per shape, bars fastest
+    first with the table's value and ratio written at each bar's end (§ for ZenFlow by its mean step, ‡ another
+    call), a failed point as its reason; a shape without MegaTrain gets values, no ratios."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from analysis import figures
+    from analysis.report import load_results
+
+    rows = [_row("megatrain", 0.75), _row("native", 0.82), _row("zero3", 3.0, sha="dae4494"),
+            _row("zenflow", 2.0, step_time_mean_s=4.0),
+            _row("fsdp", 1.0, status="host_oom", tflops=None, step_time_median_s=None, step_time_mean_s=None),
+            _row("zenflow", 6.0, tokens_per_step=4 * T, batch_size=64, variant="b64")]
+    for r in rows:
+        schema.append_row(tmp_path / "baselines2026_h100" / "results.csv", r)
+    frames, _ = load_results(tmp_path, log=lambda *a: None)  # as the figures get them
+    df = frames["baselines2026_h100"]
+    for sweep in ("baselines2026", "baselines2026_h100"):
+        (name, _), = figures.figures_for(sweep)
+        assert name == sweep
+    (name, fn), = figures.figures_for("baselines2026_h100")
+    fig_texts = []
+    import analysis.fig_same_run as F
+
+    orig = F._finish
+
+    def capture(fig, df_, title, note, out, name_, formats, **kw):
+        fig_texts.append([t.get_text() for ax in fig.axes for t in ax.texts])
+        fig_texts.append([ax.get_title(loc="left") for ax in fig.axes])
+        fig_texts.append([[x.get_text() for x in ax.get_yticklabels()] for ax in fig.axes])
+        return orig(fig, df_, title, note, out, name_, formats, **kw)
+
+    F._finish = capture
+    try:
+        paths = fn(df, tmp_path / "plots", ["png"])
+    finally:
+        F._finish = orig
+    assert [p.name for p in paths] == ["baselines2026_h100.png"] and paths[0].stat().st_size > 10_000
+    texts, titles, ticks = fig_texts
+    assert ticks[0] == ["MegaTrain", "All-on-GPU", "ZeRO-3", "ZenFlow", "FSDP2"]  # fastest first, failure last
+    ref = FLOPS / 0.75 / 1e12
+    assert f"{ref:.1f}   1.00×" in texts
+    assert f"{FLOPS / 4.0 / 1e12:.1f}§   {0.75 / 4.0:.2f}×" in texts  # ZenFlow by its mean step
+    assert f"{FLOPS / 3.0 / 1e12:.1f}   {0.75 / 3.0:.2f}×  ‡ dae4494" in texts  # another call, named
+    assert "× host OOM" in texts
+    assert "no MegaTrain row at this shape" in titles[1] and ticks[1] == ["ZenFlow · b64"]
