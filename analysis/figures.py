@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import same_run
+from . import same_run, update_path
 from .fig_host_side import fig_host_side
 from .fig_same_run import fig_same_run
+from .fig_update_path import fig_update_path
 from experiments.schema import fill_x_from_point
 from .style import *  # noqa: F403
 from .style import (_fail_handle, _finish, _legend, _line_panel, _log2_ticks, _mark_failures, _series_key,  # noqa: F401,E501
@@ -568,6 +569,8 @@ def figures_for(sweep: str) -> list:
         return FIGURES["accuracy_sft"]
     if same_run.is_sweep(sweep):  # baselines2026 (and its machine folders): the same-run table drawn
         return [(sweep, lambda df, out, formats, _n=sweep: fig_same_run(df, out, formats, _n))]
+    if update_path._is_sweep(sweep):  # update_path*: CPU path vs GPU update path per shape (the REPORT's tables)
+        return [(sweep, lambda df, out, formats, _n=sweep: fig_update_path(df, out, formats, _n))]
     return [(sweep, lambda df, out, formats, _n=sweep: fig_generic(df, out, formats, _n))]
 
 

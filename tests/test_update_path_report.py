@@ -87,3 +87,47 @@ def test_another_commits_rows_share_the_table(tmp_path):
                            date="2026-12-05T09:00:00"))  # a day before: another call
     text, _ = build_report(tmp_path, out_path=tmp_path / "REPORT.md", log=lambda *a: None)
     assert "| 799898c ‡ |" in _table(text, head)[1]
+
+
+def test_the_figure_draws_each_shape_against_its_cpu_path_with_the_target(tmp_path):
+    """update_path* sweeps are drawn by analysis.fig_update_path: one panel per (clipping, machine, shape), bars
+    fastest first with TFLOPS, ratio to the CPU path and commit (‡ another call), the CPU path blue and the GPU
+    path orange, issue 23's target as a dashed line on H200 rows with clipping firing only."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import analysis.fig_update_path as F
+    from analysis import figures
+    from analysis.report import load_results
+
+    for r in (_row("streaming_cpu_pinned", 2.44), _row("streaming_hybrid", 1.80),
+              _row("streaming_cpu", 2.45, sha="a1b2a68", date="2026-12-02T06:00:00"),
+              _row("streaming_hybrid", 2.0, steps_clipped=0, max_grad_norm=1e9,
+                   point="megatrain__qwen2.5-7b__L28__w1__s1024__b8__streaming_hybrid__noclip__H200")):
+        schema.append_row(tmp_path / "update_path" / "results.csv", r)
+    frames, _ = load_results(tmp_path, log=lambda *a: None)
+    (name, fn), = figures.figures_for("update_path")
+    seen = {}
+    orig = F._finish
+
+    def capture(fig, df, title, note, out, name_, formats, **kw):
+        seen["axes"] = [dict(title=ax.get_title(loc="left"), texts=[t.get_text() for t in ax.texts],
+                             ticks=[x.get_text() for x in ax.get_yticklabels()],
+                             colours=[p.get_facecolor() for p in ax.patches], vlines=len(ax.lines)) for ax in fig.axes]
+        return orig(fig, df, title, note, out, name_, formats, **kw)
+
+    F._finish = capture
+    try:
+        paths = fn(frames["update_path"], tmp_path / "plots", ["png"])
+    finally:
+        F._finish = orig
+    assert name == "update_path" and [p.name for p in paths] == ["update_path.png"]
+    clip, noclip = seen["axes"]
+    assert clip["ticks"] == ["streaming_hybrid", "streaming_cpu_pinned", "streaming_cpu"]
+    assert f"{FLOPS / 1.80 / 1e12:.1f}   {2.44 / 1.80:.2f}×   767ad1e" in clip["texts"]
+    assert f"{FLOPS / 2.45 / 1e12:.1f}   {2.44 / 2.45:.2f}×   a1b2a68 ‡" in clip["texts"]
+    import matplotlib.colors as mc
+
+    assert [mc.to_hex(c) for c in clip["colours"]] == [F.GPU_COLOUR.lower(), F.CPU_COLOUR.lower(), F.CPU_COLOUR.lower()]
+    assert "issue 23's target ≥ 200 (dashed)" in clip["title"] and clip["vlines"] == 1
+    assert "clipping off" in noclip["title"] and "no CPU-path row" in noclip["title"] and noclip["vlines"] == 0
