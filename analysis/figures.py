@@ -567,7 +567,9 @@ def figures_for(sweep: str) -> list:
         return FIGURES[sweep]
     if sweep.startswith("accuracy_sft_"):  # another machine's SFT rows: drawn like accuracy_sft's, by sft_report
         return FIGURES["accuracy_sft"]
-    if same_run.is_sweep(sweep):  # baselines2026 (and its machine folders): the same-run table drawn
+    if same_run.is_sweep(sweep) or sweep == "activations" or sweep.startswith("activations_"):
+        # baselines2026 (and its machine folders): the same-run table drawn; the activations sweeps (MegaTrain's
+        # kept blocks against recompute-all and all-on-GPU's best) read the same way: per shape, against MegaTrain
         return [(sweep, lambda df, out, formats, _n=sweep: fig_same_run(df, out, formats, _n))]
     if update_path._is_sweep(sweep):  # update_path*: CPU path vs GPU update path per shape (the REPORT's tables)
         return [(sweep, lambda df, out, formats, _n=sweep: fig_update_path(df, out, formats, _n))]

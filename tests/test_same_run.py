@@ -91,9 +91,10 @@ def test_the_figure_draws_the_tables_numbers_fastest_first(tmp_path):
         schema.append_row(tmp_path / "baselines2026_h100" / "results.csv", r)
     frames, _ = load_results(tmp_path, log=lambda *a: None)  # as the figures get them
     df = frames["baselines2026_h100"]
-    for sweep in ("baselines2026", "baselines2026_h100"):
-        (name, _), = figures.figures_for(sweep)
-        assert name == sweep
+    for sweep in ("baselines2026", "baselines2026_h100", "activations", "activations_mb8"):
+        (name, fn_), = figures.figures_for(sweep)
+        assert name == sweep and "fig_same_run" in fn_.__code__.co_names
+    assert "fig_same_run" not in figures.figures_for("baselines2026x")[0][1].__code__.co_names
     (name, fn), = figures.figures_for("baselines2026_h100")
     fig_texts = []
     import analysis.fig_same_run as F
