@@ -255,3 +255,20 @@ def test_contested_hybrid_is_kept_where_its_staging_costs_no_gpu_tier_layer_and_
     stats = {}
     assert_parity(hf, cfg, batches(spec), engine_kwargs=dict(rates=cost_model.Rates(update=urates)), stats_out=stats)
     assert stats["cpu_groups"] > 0
+
+
+def test_the_h100_7b_case_is_contested_and_a_calibrated_cpu_rate_proposes_the_split():
+    """The motivating numbers (H100 node, 978fc53, Qwen2.5-7B pure streaming, masters not all kept): at the build's
+    rates the split of 13 groups is predicted 1.788 s against 1.758 for the CPU path alone -- contested, so its
+    groups become candidates; once the run calibrates the CPU rate toward what it measured in the step (one step
+    averages 4.33 with 3.3: ~3.8 Gparam/s), the same model proposes those 13 groups (1.788 vs 2.004 s)."""
+    layer, vocab_rows = 233_000_000, 544_997_376
+    order = [("embed", vocab_rows)] + [(f"layer.{i}", layer) for i in range(28)] + [("final", vocab_rows)]
+    kw = dict(staging_bytes=16e9, grads_on_host=False, stream_bytes=4, grad_bytes=2, shadow=False)
+    first, candidates = first_split(order, H100_LIKE, **kw)
+    assert first.gpu == [] and len(first.contested) == 13
+    assert first.contested_s == pytest.approx(1.788, abs=1e-3) and first.predicted_cpu_only_s == pytest.approx(1.758, abs=1e-3)
+    assert set(first.contested) <= set(candidates)
+    calibrated = dataclasses.replace(H100_LIKE, cpu_gps=3.8)
+    proposal, _ = first_split(order, calibrated, **kw)
+    assert proposal.gpu == first.contested and proposal.predicted_s < proposal.predicted_cpu_only_s * 0.95
