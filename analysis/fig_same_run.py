@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from . import same_run
-from .style import FORMULA_NOTE, PARTIAL, SECTION, _finish, _new_figure, record, short_sha, status_short
+from .style import FORMULA_NOTE, PARTIAL, SECTION, _finish, _new_figure, hbar_panel, record, short_sha, status_short
 
 
 def fig_same_run(df: pd.DataFrame, out: Path, formats, name: str) -> list[Path]:
@@ -26,29 +26,20 @@ def fig_same_run(df: pd.DataFrame, out: Path, formats, name: str) -> list[Path]:
                             gridspec_kw=dict(height_ratios=n_bars))
     for ax, (model, tokens, seq, ref, g) in zip(axes, panels):
         ref_t = same_run._compared_tflops(ref) if ref is not None else None
-        top = max([t for t in g["_t"] if pd.notna(t)] or [1.0])
-        for i, (_, r) in enumerate(g.iterrows()):
-            colour = record(r["system"]).colour
-            t = r["_t"]
-            if r["status"] == "ok" and pd.notna(t):
-                ax.barh(i, t, color=colour, height=0.72, zorder=3)
-                text = f"{t:.1f}{same_run.marks(r)}"
-                if ref_t:
-                    text += f"   {t / ref_t:.2f}×"
-                if ref is not None and not same_run._same_call(r, ref):
-                    text += f"  {same_run.OTHER_CALL} {short_sha(r)}"
-                ax.text(t + top * 0.01, i, text, va="center", ha="left", fontsize=8.5)
-            else:
-                ax.text(top * 0.01, i, f"× {status_short(r)}", va="center", ha="left", fontsize=8.5, color="#777777")
-        ax.set_yticks(range(len(g)))
-        ax.set_yticklabels([same_run.system_name(r) for _, r in g.iterrows()], fontsize=9)
-        ax.invert_yaxis()  # fastest on top
-        ax.set_xlim(0, top * 1.32)
-        ax.grid(axis="x", color="#DDDDDD", zorder=0)
-        ax.set_xlabel("training throughput (TFLOPS)")
+        bars = []
+        for _, r in g.iterrows():
+            t = r["_t"] if r["status"] == "ok" and pd.notna(r["_t"]) else None
+            if t is None:
+                bars.append((same_run.system_name(r), None, f"× {status_short(r)}", None))
+                continue
+            text = f"{t:.1f}{same_run.marks(r)}" + (f"   {t / ref_t:.2f}×" if ref_t else "")
+            if ref is not None and not same_run._same_call(r, ref):
+                text += f"  {same_run.OTHER_CALL} {short_sha(r)}"
+            bars.append((same_run.system_name(r), t, text, record(r["system"]).colour))
         where = (f"÷ MegaTrain tiered's {ref_t:.1f} ({short_sha(ref)})" if ref_t
                  else "no MegaTrain row at this shape: no ratios")
-        ax.set_title(f"{model}, {tokens // seq}×{seq} tokens per step — {where}", fontsize=10, loc="left")
+        hbar_panel(ax, bars, top=max([b[1] for b in bars if b[1] is not None] or [1.0]),
+                   title=f"{model}, {tokens // seq}×{seq} tokens per step — {where}")
     note = (FORMULA_NOTE + f"\n{SECTION} not exact AdamW, by its mean step (its periodic waits included). "
             f"{PARTIAL} timed out after most of its timed steps (those steps'). {same_run.OTHER_CALL} another call "
             "than MegaTrain's row (other commit or more than an hour apart): that ratio spans runs. "

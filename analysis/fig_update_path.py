@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from . import update_path as U
-from .style import FORMULA_NOTE, _finish, _new_figure, short_sha, status_short
+from .style import FORMULA_NOTE, _finish, _new_figure, hbar_panel, short_sha, status_short
 
 CPU_COLOUR, GPU_COLOUR, OTHER_COLOUR = "#0072B2", "#D55E00", "#999999"
 
@@ -41,30 +41,22 @@ def fig_update_path(df: pd.DataFrame, out: Path, formats, name: str) -> list[Pat
                             gridspec_kw=dict(height_ratios=sizes))
     for ax, (title, ref, target, g) in zip(axes, found):
         ref_t = float(ref["tflops"]) if ref is not None else None
-        top = max([t for t in g["_t"] if pd.notna(t)] + ([target] if target else []) or [1.0])
-        for i, (_, r) in enumerate(g.iterrows()):
-            t = r["_t"]
-            if r["status"] == "ok" and pd.notna(t):
-                ax.barh(i, t, color=_colour(str(r["variant"])), height=0.72, zorder=3)
-                text = f"{t:.1f}" + (f"   {t / ref_t:.2f}×" if ref_t else "") + f"   {short_sha(r)}"
-                if ref is not None and not U._same_call_here(r, ref):
-                    text += f" {U.OTHER_CALL}"
-                ax.text(t + top * 0.01, i, text, va="center", ha="left", fontsize=8.5)
-            else:
-                ax.text(top * 0.01, i, f"× {status_short(r)}  {short_sha(r)}", va="center", ha="left", fontsize=8.5,
-                        color="#777777")
-        if target:
-            ax.axvline(target, color="#333333", ls="--", lw=1, zorder=4)
-        ax.set_yticks(range(len(g)))
-        ax.set_yticklabels([str(v) for v in g["variant"]], fontsize=9)
-        ax.invert_yaxis()  # fastest on top
-        ax.set_xlim(0, top * 1.35)
-        ax.grid(axis="x", color="#DDDDDD", zorder=0)
-        ax.set_xlabel("training throughput (TFLOPS)")
+        bars = []
+        for _, r in g.iterrows():
+            t = r["_t"] if r["status"] == "ok" and pd.notna(r["_t"]) else None
+            if t is None:
+                bars.append((str(r["variant"]), None, f"× {status_short(r)}  {short_sha(r)}", None))
+                continue
+            text = f"{t:.1f}" + (f"   {t / ref_t:.2f}×" if ref_t else "") + f"   {short_sha(r)}"
+            if ref is not None and not U._same_call_here(r, ref):
+                text += f" {U.OTHER_CALL}"
+            bars.append((str(r["variant"]), t, text, _colour(str(r["variant"]))))
         where = f"÷ the CPU path ({ref['variant']}, {ref_t:.1f})" if ref_t else "no CPU-path row: no ratios"
         if target:
+            ax.axvline(target, color="#333333", ls="--", lw=1, zorder=4)
             where += f"; issue 23's target ≥ {target:.0f} (dashed)"
-        ax.set_title(f"{title}\n{where}", fontsize=10, loc="left")
+        hbar_panel(ax, bars, top=max([b[1] for b in bars if b[1] is not None] + ([target] if target else []) or [1.0]),
+                   title=f"{title}\n{where}")
     note = (FORMULA_NOTE + "\nBlue: the CPU kernel alone (variant *_cpu, *_cpu_pinned = cores bound); orange: the GPU "
             f"update path beside it (*_hybrid*). {U.OTHER_CALL} another call than the CPU path's row. Dashed: issue "
             "23's target (clipping firing, H200).")

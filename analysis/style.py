@@ -10,7 +10,7 @@ import pandas as pd
 
 from baselines.registry import SYSTEM_RECORDS, SYSTEMS as REGISTERED_SYSTEMS, record
 
-from experiments.schema import H200_PEAK_TFLOPS, fill_x_from_point, is_sample, known_sweeps, peak_tflops_for
+from experiments.schema import H200_PEAK_TFLOPS, fill_x_from_point, is_sample, known_sweeps, row_peaks
 
 SWEEPS = known_sweeps()  # experiments/conf/sweep/*.yaml, in their order
 HARDWARE_ORDER = ("H200", "A100-80GB", "RTX-A6000-48GB", "RTX-3090-24GB")  # figure/table order of the profiles
@@ -311,12 +311,29 @@ def _line_panel(ax, df: pd.DataFrame, xcol: str, ycol: str, ylabel: str, *, band
     return {"ok": ok, "fails": fails, "systems": systems}
 
 
+def hbar_panel(ax, bars: list[tuple], *, top: float, title: str) -> None:
+    """One panel of horizontal bars, the first on top (the REPORT's tables drawn: analysis/fig_same_run.py,
+    fig_update_path.py). ``bars``: (label, value or None, text, colour); ``text`` goes at the bar's end, or in
+    grey where the bar would be when ``value`` is None (a point that measured nothing)."""
+    for i, (_, value, text, colour) in enumerate(bars):
+        if value is not None:
+            ax.barh(i, value, color=colour, height=0.72, zorder=3)
+            ax.text(value + top * 0.01, i, text, va="center", ha="left", fontsize=8.5)
+        else:
+            ax.text(top * 0.01, i, text, va="center", ha="left", fontsize=8.5, color="#777777")
+    ax.set_yticks(range(len(bars)))
+    ax.set_yticklabels([b[0] for b in bars], fontsize=9)
+    ax.invert_yaxis()  # the first bar (the fastest) on top
+    ax.set_xlim(0, top * 1.35)
+    ax.grid(axis="x", color="#DDDDDD", zorder=0)
+    ax.set_xlabel("training throughput (TFLOPS)")
+    ax.set_title(title, fontsize=10, loc="left")
+
+
 def _mfu_axis(ax, df: pd.DataFrame):
     """Right-hand MFU axis (percent of the rows' peak: the CSV's, else their GPU's measured one); none when
     the rows' GPU has no measured peak (an H100 figure gets no MFU borrowed from the H200)."""
-    peaks = df["peak_tflops"] if "peak_tflops" in df else pd.Series(dtype=float)
-    if "gpu_name" in df:
-        peaks = peaks.fillna(df["gpu_name"].map(peak_tflops_for).astype(float))
+    peaks = row_peaks(df)
     if not peaks.notna().any():
         return None
     peak = float(peaks.dropna().median())

@@ -457,16 +457,24 @@ def formula_tflops(df):
     return flops / df["step_time_median_s"] / 1e12
 
 
+def row_peaks(df):
+    """Each row's peak for MFU: its ``peak_tflops``, else its GPU's measured one (``peak_tflops_for``: H200 rows of
+    old CSVs, whose peak column came later); NaN for a GPU without a measured peak (the H100) and for a CPU row
+    -- never another GPU's."""
+    import pandas as pd
+
+    peak = df["peak_tflops"] if "peak_tflops" in df else pd.Series(float("nan"), index=df.index)
+    if "gpu_name" in df:
+        peak = peak.fillna(df["gpu_name"].map(peak_tflops_for).astype(float))
+    return peak.where(df["hardware"] != "cpu") if "hardware" in df else peak
+
+
 def fill_derived(df) -> None:
     """Fill ``tflops``/``mfu`` from the formula where an ok row has the inputs but not the value."""
     need = df["tflops"].isna() & df["step_time_median_s"].notna() & (df["status"] == "ok")
     if need.any():
         df.loc[need, "tflops"] = formula_tflops(df[need])
-    # Rows without a peak: H200 rows of old CSVs (the peak column came later) get the H200's, found by their GPU's
-    # name like any other measured GPU; a GPU without a measured peak (H100) and a CPU row get none (no MFU).
-    by_name = df["gpu_name"].map(peak_tflops_for) if "gpu_name" in df else None
-    peak = df["peak_tflops"] if by_name is None else df["peak_tflops"].fillna(by_name.astype(float))
-    peak = peak.where(df["hardware"] != "cpu")
+    peak = row_peaks(df)
     need = df["mfu"].isna() & df["tflops"].notna() & peak.notna()
     df.loc[need, "mfu"] = df.loc[need, "tflops"] / peak[need]
 

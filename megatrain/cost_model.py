@@ -316,7 +316,7 @@ def hybrid_split(load: StepLoad, rates: Rates, backward_s: float) -> tuple["upda
               stream_bytes=load.stream_bytes, grad_bytes=load.grad_bytes, shadow=load.bf16_shadow)
     urates = rates.update_rates()
     split, candidates = first_split(order, urates, **kw)
-    contested = len(split.contested) if split.contested and not split.gpu and set(split.contested) <= set(candidates) else 0
+    contested = len(split.contested_to_try)  # built as candidates by first_split
     if load.speculate:
         args = split_args(groups, **kw)
         split = (update_split.plan_split(order, urates, speculative=True, backward_s=backward_s, **args) if args

@@ -281,8 +281,7 @@ def first_split(order: list[tuple[str, int]], rates: UpdateRates, **kw) -> tuple
     # longest one (no head start) bounds which groups it may ever take.
     longest = len(plan_split(order, rates, speculative=True, backward_s=0.0, **args).gpu)
     chosen = set(split.gpu) | set(names[:longest])
-    if split.contested and split.contested_s <= split.predicted_cpu_only_s * (1 + update_split.MODEL_DOUBT):
-        chosen |= set(split.contested)
+    chosen |= set(split.contested_to_try)
     return split, [x for x in names if x in chosen]
 
 

@@ -91,6 +91,14 @@ class Split:
     contested_s: float = 0.0
 
     @property
+    def contested_to_try(self) -> list[str]:
+        """The contested split's groups when its predicted time is within ``MODEL_DOUBT`` of the CPU path
+        alone (worth building as candidates and measuring), else none."""
+        if self.contested and self.contested_s <= self.predicted_cpu_only_s * (1 + MODEL_DOUBT):
+            return list(self.contested)
+        return []
+
+    @property
     def key(self) -> tuple[str, ...]:
         """The split's identity for measurements: its GPU-path groups (the rest is the CPU path)."""
         return tuple(self.gpu)
