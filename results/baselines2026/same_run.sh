@@ -33,7 +33,7 @@ case $K in
   1) run $B16 'only=[native__qwen2.5-3b__*__b16__default__*,megatrain__qwen2.5-3b__*__b16__default__*,megatrain__qwen2.5-3b__*__b16__pure_streaming__*,zero2__qwen2.5-3b__*__b16__default__*,zero3__qwen2.5-3b__*__b16__default__*,fsdp__qwen2.5-3b__*__b16__default__*]' \
        time_budget_s=$(budget 560) timeout_s=200 ;;
   2) run $B16 'only=[zenflow__qwen2.5-3b__*__b16__unpinned__*]' time_budget_s=$(budget 200) timeout_s=180
-     run $B16 'only=[zenflow__qwen2.5-3b__*__b64__unpinned__*]' time_budget_s=$(budget 420) timeout_s=300
+     [ -n "${NO_Z64:-}" ] || run $B16 'only=[zenflow__qwen2.5-3b__*__b64__unpinned__*]' time_budget_s=$(budget 420) timeout_s=300
      run $B16 'only=[superoffload_noclip__qwen2.5-3b__*__b16__default__*]' time_budget_s=$(budget 565) timeout_s=300 ;;
   3) if [ $have = 0 ] && bash scripts/ship_gguf.sh join >> "$OUT/sr$K.log" 2>&1; then
        say "accuracy_sft: all-on-GPU rerun_mb2, rerun_mb4"

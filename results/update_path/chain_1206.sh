@@ -90,9 +90,9 @@ case $K in
     ;;
   5)  # the last few minutes of a session's device time: 7B hybrid, then the CPU path beside it (clipping fires)
     build_kernels
-    new 'steps=3 warmup_steps=4 timeout_s=80' 'sweep.models=[qwen2.5-7b]' \
+    new steps=3 warmup_steps=4 timeout_s=80 'sweep.models=[qwen2.5-7b]' \
       'only=[megatrain__qwen2.5-7b__*__b8__streaming_hybrid__*]' time_budget_s=$(budget 150)
-    new 'steps=3 warmup_steps=4 timeout_s=80' 'sweep.models=[qwen2.5-7b]' \
+    new steps=3 warmup_steps=4 timeout_s=80 'sweep.models=[qwen2.5-7b]' \
       'only=[megatrain__qwen2.5-7b__*__b8__streaming_cpu_pinned__*]' time_budget_s=$(budget 200)
     ;;
   *) say "K must be 1 to 5"; exit 2 ;;
