@@ -15,7 +15,7 @@
 # Each call works on a fresh machine too (install, kernels); rows land in /tmp/sr<K>, one tarball per call.
 # Merge: python scripts/merge_results.py /tmp/srK/baselines2026 results/baselines2026 --replace  (K = 1..4;
 #        results/baselines2026_h100 on an H100; call 3's SFT rows: /tmp/sr3/accuracy_sft -> results/accuracy_sft)
-# Usage (repo root): bash results/baselines2026/same_run.sh K <git sha>
+# Usage (repo root): bash results/baselines2026/same_run.sh K <git sha>   (NO_Z64=1: call 2 skips ZenFlow 64x1024)
 set -uo pipefail
 K=$1
 source scripts/device_call_env.sh "sr$K" "$2"  # env, say, install
