@@ -13,8 +13,8 @@
 #           measures both ways in steps ~2-9)
 #   call 3: the GGUF joined; issue 26's all-on-GPU rerun_mb2 / rerun_mb4 (the bf16 spread yardstick on this
 #           machine), then issue 24's ZenFlow (unpinned) at 3B 64x1024 with what is left
-#   call 4 (instead of 1-3 when little device time is left): 7B clipping fires (CPU, hybrid, 799898c's hybrid),
-#           then 14B tiered (hybrid, CPU)
+#   call 4 (instead of 1 when little device time is left): 7B clipping fires (CPU, hybrid; then both with bf16
+#           weights over the link, stream_dtype=bf16), then 14B tiered (hybrid, CPU)
 #   call 5 (the last few minutes): 7B hybrid, then the CPU path
 # Every call stashes its GGUF part first. Usage (repo root): bash results/update_path/chain_1206.sh K <git sha>
 set -uo pipefail
@@ -78,15 +78,16 @@ case $K in
     python3 -m experiments.run sweep=baselines2026 'only=[zenflow__qwen2.5-3b__*__b64__unpinned__*]' steps=6 warmup_steps=3 \
       post=false results_dir=$R time_budget_s=$(budget 565) timeout_s=400 >> "$OUT/up$K.log" 2>&1; say "runner exit $?"; snap
     ;;
-  4)  # a short H200 call when little device time is left: 7B (this SHA and 799898c), then 14B; clipping fires
+  4)  # a short H200 call when little device time is left: 7B (fp32 and bf16 weights over the link), then 14B;
+      # clipping fires (799898c's before/after is call 1's)
     build_kernels
-    rm -rf /tmp/old && mkdir -p /tmp/old && tar xzf .old/799898c.tgz -C /tmp/old || say "no old tree"
     ORDER='steps=4 warmup_steps=4 timeout_s=110'
     P7='megatrain__qwen2.5-7b__*__b8__streaming_cpu_pinned__*,megatrain__qwen2.5-7b__*__b8__streaming_hybrid__*'
+    P7B='megatrain__qwen2.5-7b__*__b8__streaming_hybrid_bf16__*,megatrain__qwen2.5-7b__*__b8__streaming_cpu_pinned_bf16__*'
     P14='megatrain__qwen2.5-14b__*__b16__tiered_hybrid__*,megatrain__qwen2.5-14b__*__b16__tiered_cpu_pinned__*'
     new $ORDER 'sweep.models=[qwen2.5-7b]' "only=[$P7]" time_budget_s=$(budget 230)
-    old $ORDER 'sweep.models=[qwen2.5-7b]' 'only=[megatrain__qwen2.5-7b__*__b8__streaming_hybrid__*]' time_budget_s=$(budget 285)
-    new $ORDER 'sweep.models=[qwen2.5-14b]' "only=[$P14]" time_budget_s=$(budget 420)
+    new $ORDER 'sweep.models=[qwen2.5-7b]' "only=[$P7B]" time_budget_s=$(budget 330)
+    new $ORDER 'sweep.models=[qwen2.5-14b]' "only=[$P14]" time_budget_s=$(budget 545)
     ;;
   5)  # the last few minutes of a session's device time: 7B hybrid, then the CPU path beside it (clipping fires)
     build_kernels
