@@ -38,8 +38,7 @@ def fig_same_run(df: pd.DataFrame, out: Path, formats, name: str) -> list[Path]:
             bars.append((same_run.system_name(r), t, text, record(r["system"]).colour))
         where = (f"÷ MegaTrain tiered's {ref_t:.1f} ({short_sha(ref)})" if ref_t
                  else "no MegaTrain row at this shape: no ratios")
-        hbar_panel(ax, bars, top=max([b[1] for b in bars if b[1] is not None] or [1.0]),
-                   title=f"{model}, {tokens // seq}×{seq} tokens per step — {where}")
+        hbar_panel(ax, bars, title=f"{model}, {tokens // seq}×{seq} tokens per step — {where}")
     note = (FORMULA_NOTE + f"\n{SECTION} not exact AdamW, by its mean step (its periodic waits included). "
             f"{PARTIAL} timed out after most of its timed steps (those steps'). {same_run.OTHER_CALL} another call "
             "than MegaTrain's row (other commit or more than an hour apart): that ratio spans runs. "

@@ -55,8 +55,7 @@ def fig_update_path(df: pd.DataFrame, out: Path, formats, name: str) -> list[Pat
         if target:
             ax.axvline(target, color="#333333", ls="--", lw=1, zorder=4)
             where += f"; issue 23's target ≥ {target:.0f} (dashed)"
-        hbar_panel(ax, bars, top=max([b[1] for b in bars if b[1] is not None] + ([target] if target else []) or [1.0]),
-                   title=f"{title}\n{where}")
+        hbar_panel(ax, bars, title=f"{title}\n{where}", mark=target)
     note = (FORMULA_NOTE + "\nBlue: the CPU kernel alone (variant *_cpu, *_cpu_pinned = cores bound); orange: the GPU "
             f"update path beside it (*_hybrid*). {U.OTHER_CALL} another call than the CPU path's row. Dashed: issue "
             "23's target (clipping firing, H200).")

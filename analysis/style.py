@@ -311,10 +311,12 @@ def _line_panel(ax, df: pd.DataFrame, xcol: str, ycol: str, ylabel: str, *, band
     return {"ok": ok, "fails": fails, "systems": systems}
 
 
-def hbar_panel(ax, bars: list[tuple], *, top: float, title: str) -> None:
+def hbar_panel(ax, bars: list[tuple], *, title: str, mark: float | None = None) -> None:
     """One panel of horizontal bars, the first on top (the REPORT's tables drawn: analysis/fig_same_run.py,
     fig_update_path.py). ``bars``: (label, value or None, text, colour); ``text`` goes at the bar's end, or in
-    grey where the bar would be when ``value`` is None (a point that measured nothing)."""
+    grey where the bar would be when ``value`` is None (a point that measured nothing). ``mark``: a value the
+    axis must also show (a dashed target line)."""
+    top = max([b[1] for b in bars if b[1] is not None] + ([mark] if mark else []) or [1.0])
     for i, (_, value, text, colour) in enumerate(bars):
         if value is not None:
             ax.barh(i, value, color=colour, height=0.72, zorder=3)

@@ -329,13 +329,13 @@ class SplitChooser:
             return KEEP_MEASURING, current, "no step time measured yet"
         unmeasured_pending = [k for k in self.pending if k not in self.measured]
         best = min(self.measured, key=self.time)
+        t_best = self.time(best)
         if not unmeasured_pending:
             cpu = self.cpu_only()
             if cpu.key not in self.measured and current.key != cpu.key:
                 # (2a) The CPU path alone is always a candidate: measure it once rather than trust the model.
                 return TRY_CPU_ONLY, cpu, (f"{len(self.splits[best].gpu)} GPU-path groups measured "
-                                           f"{self.time(best):.3f} s a step")
-            t_best = self.time(best)
+                                           f"{t_best:.3f} s a step")
             for key, times in self.measured.items():
                 if (key != best and key != current.key and key not in self.pending and self.retrials > 0
                         and len(times) < self.window and self.time(key) <= t_best * (1 + self.doubt)):
@@ -346,13 +346,12 @@ class SplitChooser:
                         f"within {self.doubt:.0%} of {len(self.splits[best].gpu)} at {t_best:.3f} s")
             gain = predict(self.splits[best]) - predict(proposal)
             if (proposal.key not in self.measured and self.trials > 0
-                    and gain > self.margin * self.time(best)):
+                    and gain > self.margin * t_best):
                 # (2c) The model, calibrated on what ran, predicts a clear gain over the fastest measured split.
                 self.trials -= 1
                 return TRY_PROPOSAL, proposal, (f"{len(proposal.gpu)} GPU-path groups predicted {gain:.3f} s "
                                                 f"faster than {len(self.splits[best].gpu)} measured "
-                                                f"{self.time(best):.3f} s")
-        t_best = self.time(best)
+                                                f"{t_best:.3f} s")
         if best == current.key:
             return KEEP_FASTEST, current, f"{len(current.gpu)} GPU-path groups, {t_best:.3f} s a step"
         if current.key in self.measured and t_best >= self.time(current.key) * (1 - self.margin):
