@@ -87,7 +87,11 @@ case $K in
     P14='megatrain__qwen2.5-14b__*__b16__tiered_hybrid__*,megatrain__qwen2.5-14b__*__b16__tiered_cpu_pinned__*'
     new $ORDER 'sweep.models=[qwen2.5-7b]' "only=[$P7]" time_budget_s=$(budget 230)
     new $ORDER 'sweep.models=[qwen2.5-7b]' "only=[$P7B]" time_budget_s=$(budget 330)
-    new $ORDER 'sweep.models=[qwen2.5-14b]' "only=[$P14]" time_budget_s=$(budget 545)
+    if [ "${mem:-0}" -lt 100000 ]; then  # an 80 GB card: the 3B pair in place of 14B (see above)
+      new $ORDER 'sweep.models=[qwen2.5-3b]' "only=[$P3]" time_budget_s=$(budget 545)
+    else
+      new $ORDER 'sweep.models=[qwen2.5-14b]' "only=[$P14]" time_budget_s=$(budget 545)
+    fi
     ;;
   5)  # the last few minutes of a session's device time: 7B hybrid, then the CPU path beside it (clipping fires)
     build_kernels
