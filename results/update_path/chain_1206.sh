@@ -16,6 +16,8 @@
 #   call 4 (instead of 1 when little device time is left): 7B clipping fires (CPU, hybrid; then both with bf16
 #           weights over the link, stream_dtype=bf16), then 14B tiered (hybrid, CPU)
 #   call 5 (the last few minutes): 7B hybrid, then the CPU path
+#   H100 plan (no H200 to be had, session 2026-12-06d): call 4 (part 0), then 6 (part 1: 7B bf16 pair without
+#           clipping), then 7 (part 2: the accuracy_sft points the H100 table lacks: its own complete Table 3)
 # Every call stashes its GGUF part first. Usage (repo root): bash results/update_path/chain_1206.sh K <git sha>
 set -uo pipefail
 K=$1
@@ -100,6 +102,24 @@ case $K in
     new steps=3 warmup_steps=4 timeout_s=80 'sweep.models=[qwen2.5-7b]' \
       'only=[megatrain__qwen2.5-7b__*__b8__streaming_cpu_pinned__*]' time_budget_s=$(budget 200)
     ;;
-  *) say "K must be 1 to 5"; exit 2 ;;
+  6)  # H100 plan, call 2 (carries GGUF part 1): the bf16-stream 7B pair without clipping
+    build_kernels
+    new sweep.name=update_path_noclip optim.max_grad_norm=1e9 steps=4 warmup_steps=10 timeout_s=130 \
+      'sweep.models=[qwen2.5-7b]' 'only=[megatrain__qwen2.5-7b__*__b8__streaming_hybrid_bf16__*,megatrain__qwen2.5-7b__*__b8__streaming_cpu_pinned_bf16__*]' \
+      time_budget_s=$(budget ${CALL_BUDGET_S:-230})
+    ;;
+  7)  # H100 plan, call 3 (carries GGUF part 2): the points results/accuracy_sft_h100 lacks, most telling first
+    build_kernels
+    if [ $have = 0 ] && bash scripts/ship_gguf.sh join >> "$OUT/up$K.log" 2>&1; then
+      sft() { MEGATRAIN_CACHE=/tmp/mtcache python3 -m experiments.run sweep=accuracy_sft post=false results_dir=$R "$@" \
+                >> "$OUT/up$K.log" 2>&1; say "accuracy_sft runner exit $?"; snap; }
+      say "accuracy_sft: MegaTrain tiered and pure streaming, ZeRO-3 (bf16), then the fp32 trio"
+      sft 'only=[megatrain__*__default__*,megatrain__*__pure_streaming__*,zero3__*__default__*,native__*__fp32__*,megatrain__*__fp32__*,zero3__*__fp32__*]' time_budget_s=$(budget 450)
+      sft 'only=[megatrain__*__streaming_fp32__*,megatrain__*__autocast__*,native__*__rerun__*]' time_budget_s=$(budget 565)
+    else
+      say "GGUF incomplete or join failed: no SFT points"
+    fi
+    ;;
+  *) say "K must be 1 to 7"; exit 2 ;;
 esac
 say done
