@@ -17,7 +17,8 @@
 #           weights over the link, stream_dtype=bf16), then 14B tiered (hybrid, CPU)
 #   call 5 (the last few minutes): 7B hybrid, then the CPU path
 #   H100 plan (no H200 to be had, session 2026-12-06d): call 4 (part 0), then 6 (part 1: 7B bf16 pair without
-#           clipping), then 7 (part 2: the accuracy_sft points the H100 table lacks: its own complete Table 3)
+#           clipping), then 7 (part 2: the accuracy_sft points the H100 table lacks: its own complete Table 3);
+#           short of time: NO_THIRD=1 on call 4 (the two 7B pairs only), call 0 (stash only) in place of 6
 # Every call stashes its GGUF part first. Usage (repo root): bash results/update_path/chain_1206.sh K <git sha>
 set -uo pipefail
 K=$1
@@ -89,7 +90,8 @@ case $K in
     P14='megatrain__qwen2.5-14b__*__b16__tiered_hybrid__*,megatrain__qwen2.5-14b__*__b16__tiered_cpu_pinned__*'
     new $ORDER 'sweep.models=[qwen2.5-7b]' "only=[$P7]" time_budget_s=$(budget 230)
     new $ORDER 'sweep.models=[qwen2.5-7b]' "only=[$P7B]" time_budget_s=$(budget 330)
-    if [ "${mem:-0}" -lt 100000 ]; then  # an 80 GB card: the 3B pair in place of 14B (see above)
+    if [ -n "${NO_THIRD:-}" ]; then say "NO_THIRD: neither 14B nor 3B (a short call)"
+    elif [ "${mem:-0}" -lt 100000 ]; then  # an 80 GB card: the 3B pair in place of 14B (see above)
       new $ORDER 'sweep.models=[qwen2.5-3b]' "only=[$P3]" time_budget_s=$(budget 545)
     else
       new $ORDER 'sweep.models=[qwen2.5-14b]' "only=[$P14]" time_budget_s=$(budget 545)
@@ -101,6 +103,8 @@ case $K in
       'only=[megatrain__qwen2.5-7b__*__b8__streaming_hybrid__*]' time_budget_s=$(budget 150)
     new steps=3 warmup_steps=4 timeout_s=80 'sweep.models=[qwen2.5-7b]' \
       'only=[megatrain__qwen2.5-7b__*__b8__streaming_cpu_pinned__*]' time_budget_s=$(budget 200)
+    ;;
+  0)  # stash this call's GGUF part only (seconds on a warm machine)
     ;;
   6)  # H100 plan, call 2 (carries GGUF part 1): the bf16-stream 7B pair without clipping
     build_kernels
@@ -120,6 +124,6 @@ case $K in
       say "GGUF incomplete or join failed: no SFT points"
     fi
     ;;
-  *) say "K must be 1 to 7"; exit 2 ;;
+  *) say "K must be 0 to 7"; exit 2 ;;
 esac
 say done
