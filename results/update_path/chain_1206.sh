@@ -104,7 +104,8 @@ case $K in
     new steps=3 warmup_steps=4 timeout_s=80 'sweep.models=[qwen2.5-7b]' \
       'only=[megatrain__qwen2.5-7b__*__b8__streaming_cpu_pinned__*]' time_budget_s=$(budget 200)
     ;;
-  0)  # stash this call's GGUF part only (seconds on a warm machine)
+  0)  # stash this call's GGUF part; the kernels built (cached on a warm machine) so that a later call's budget is all runs
+    build_kernels
     ;;
   6)  # H100 plan, call 2 (carries GGUF part 1): the bf16-stream 7B pair without clipping
     build_kernels
@@ -118,8 +119,10 @@ case $K in
       sft() { MEGATRAIN_CACHE=/tmp/mtcache python3 -m experiments.run sweep=accuracy_sft post=false results_dir=$R "$@" \
                 >> "$OUT/up$K.log" 2>&1; say "accuracy_sft runner exit $?"; snap; }
       say "accuracy_sft: MegaTrain tiered and pure streaming, ZeRO-3 (bf16), then the fp32 trio"
-      sft 'only=[megatrain__*__default__*,megatrain__*__pure_streaming__*,zero3__*__default__*,native__*__fp32__*,megatrain__*__fp32__*,zero3__*__fp32__*]' time_budget_s=$(budget 450)
-      sft 'only=[megatrain__*__streaming_fp32__*,megatrain__*__autocast__*,native__*__rerun__*]' time_budget_s=$(budget 565)
+      end=${SFT_END_S:-565}  # seconds into the call by which the runners stop starting points (the device time left)
+      sft 'only=[megatrain__*__default__*,megatrain__*__pure_streaming__*,zero3__*__default__*]' time_budget_s=$(budget $((end - 300)))
+      sft 'only=[native__*__fp32__*,megatrain__*__fp32__*,zero3__*__fp32__*]' time_budget_s=$(budget $((end - 100)))
+      sft 'only=[megatrain__*__streaming_fp32__*,megatrain__*__autocast__*,native__*__rerun__*]' time_budget_s=$(budget $end)
     else
       say "GGUF incomplete or join failed: no SFT points"
     fi
