@@ -18,7 +18,8 @@
 #   call 5 (the last few minutes): 7B hybrid, then the CPU path
 #   H100 plan (no H200 to be had, session 2026-12-06d): call 4 (part 0), then 6 (part 1: 7B bf16 pair without
 #           clipping), then 7 (part 2: the accuracy_sft points the H100 table lacks: its own complete Table 3);
-#           short of time: NO_THIRD=1 on call 4 (the two 7B pairs only), call 0 (stash only) in place of 6
+#           short of time: NO_THIRD=1 on call 4 (the two 7B pairs only), call 0 (stash only) in place of 6,
+#           SFT_BF16_ONLY=1 and SFT_END_S=<seconds> on call 7
 # Every call stashes its GGUF part first. Usage (repo root): bash results/update_path/chain_1206.sh K <git sha>
 set -uo pipefail
 K=$1
@@ -111,7 +112,7 @@ case $K in
     build_kernels
     new sweep.name=update_path_noclip optim.max_grad_norm=1e9 steps=4 warmup_steps=10 timeout_s=130 \
       'sweep.models=[qwen2.5-7b]' 'only=[megatrain__qwen2.5-7b__*__b8__streaming_hybrid_bf16__*,megatrain__qwen2.5-7b__*__b8__streaming_cpu_pinned_bf16__*]' \
-      time_budget_s=$(budget ${CALL_BUDGET_S:-230})
+      time_budget_s=$(budget 230)
     ;;
   7)  # H100 plan, call 3 (carries GGUF part 2): the points results/accuracy_sft_h100 lacks, most telling first
     build_kernels
@@ -120,10 +121,10 @@ case $K in
                 >> "$OUT/up$K.log" 2>&1; say "accuracy_sft runner exit $?"; snap; }
       say "accuracy_sft: MegaTrain tiered and pure streaming, ZeRO-3 (bf16), then the fp32 trio"
       end=${SFT_END_S:-565}  # seconds into the call by which the runners stop starting points (the device time left)
-      if [ -n "${SFT_BF16_ONLY:-}" ]; then  # little device time: the three bf16 systems the H100 table lacks, no more
-        sft 'only=[megatrain__*__default__*,megatrain__*__pure_streaming__*,zero3__*__default__*]' time_budget_s=$(budget $end)
-      else
-        sft 'only=[megatrain__*__default__*,megatrain__*__pure_streaming__*,zero3__*__default__*]' time_budget_s=$(budget $((end - 300)))
+      # SFT_BF16_ONLY=1 (little device time): the three bf16 systems the H100 table lacks, no more
+      first=$end; [ -n "${SFT_BF16_ONLY:-}" ] || first=$((end - 300))
+      sft 'only=[megatrain__*__default__*,megatrain__*__pure_streaming__*,zero3__*__default__*]' time_budget_s=$(budget $first)
+      if [ -z "${SFT_BF16_ONLY:-}" ]; then
         sft 'only=[native__*__fp32__*,megatrain__*__fp32__*,zero3__*__fp32__*]' time_budget_s=$(budget $((end - 100)))
         sft 'only=[megatrain__*__streaming_fp32__*,megatrain__*__autocast__*,native__*__rerun__*]' time_budget_s=$(budget $end)
       fi
