@@ -305,8 +305,9 @@ def hybrid_split(load: StepLoad, rates: Rates, backward_s: float) -> tuple["upda
     the same function at the same rates and staging, so the plan and the engine agree on the groups); for a
     speculative one, ``plan_split``'s prefix with the CPU path's head start ``backward_s``. Returns the split,
     per host group (forward order) whether it takes the GPU path, how many groups the runtime's GPU path
-    would hold (``first_split``'s candidates; 0: the engine builds no GPU path), and how many of them come
-    from a contested after-norm split (no group planned first, but one predicted within MODEL_DOUBT)."""
+    would hold (``first_split``'s candidates; 0: the engine builds no GPU path), and how many of them the first
+    after-norm split leaves to the CPU path (``Split.beyond_plan``: a contested split within MODEL_DOUBT, and
+    the hedge at CPU rates CPU_DOUBT slower), for the runtime to try once its calibrated rates propose them."""
     from .host_tier import first_split, split_args  # the runtime's split (imports torch: not at module load)
 
     groups = _host_groups(load)
@@ -316,7 +317,7 @@ def hybrid_split(load: StepLoad, rates: Rates, backward_s: float) -> tuple["upda
               stream_bytes=load.stream_bytes, grad_bytes=load.grad_bytes, shadow=load.bf16_shadow)
     urates = rates.update_rates()
     split, candidates = first_split(order, urates, **kw)
-    contested = len(split.contested_to_try)  # built as candidates by first_split
+    contested = len(split.beyond_plan)  # built as candidates by first_split, the first split leaves them to the CPU
     if load.speculate:
         args = split_args(groups, **kw)
         split = (update_split.plan_split(order, urates, speculative=True, backward_s=backward_s, **args) if args

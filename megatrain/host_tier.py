@@ -50,6 +50,7 @@ class HybridHostAdamW:
         self._params: list[tuple[int, int, bool, Split]] = []
         self._step_params = [0, 0]
         self.calibrated = 0  # steps whose measured busy times corrected the rates
+        self._cpu_seen: set[str] = set()  # the CPU rates ("cpu_gps", "cpu_loaded_gps") this run has measured
         self.backward_s: float | None = None  # running estimate of the backward's time (observe_step)
         self._gpu_set: set[str] = set()  # this step's GPU-path groups
         self._last_gpu: set[str] = set()  # GPU-path groups of the last finished step (their loads wait there)
@@ -127,10 +128,14 @@ class HybridHostAdamW:
 
     def _calibrate(self, stats: dict) -> None:
         """Rates from this run, for an update that ran after the norm beside a whole step (neither that step
-        nor this one speculated or was skipped); averaged, and kept within 4x of the measured ones:
+        nor this one speculated or was skipped); kept within 4x of the measured ones:
 
         * the CPU path's parameters over its worker's busy time: the rate under the GPU path's copies when
-          the split had GPU-path groups, the rate alone when it had none;
+          the split had GPU-path groups, the rate alone when it had none. Averaged with the current rate when
+          the two agree within MODEL_DOUBT; beyond it the build's probe was wrong (on the H100 node it said
+          5.97 Gparam/s, the step's kernel ran at 3.6-4.0), so the seen rate replaces it at once. Until the
+          run has seen the other rate (alone or loaded) that one moves by the same factor (the probe's ratio
+          of the two stands; its scale was what erred);
         * the link rates scaled by the model's GPU-path span for that split over the measured one
           (``gpu_path_busy_s``, first upload to last download). That span is a wall time on a link shared
           with the next forward's loads and the CPU path's gradients, which the model schedules too; it is
@@ -144,10 +149,14 @@ class HybridHostAdamW:
         r, base = self.rates, self._base_rates
         if cpu_params and cpu_busy > 0:
             seen = cpu_params / cpu_busy / 1e9
-            if gpu_params:
-                r.cpu_loaded_gps = _clamp(0.5 * (r.cpu_loaded_gps + seen), base.cpu_loaded_gps)
-            else:
-                r.cpu_gps = _clamp(0.5 * (r.cpu_gps + seen), base.cpu_gps)
+            field, other = ("cpu_loaded_gps", "cpu_gps") if gpu_params else ("cpu_gps", "cpu_loaded_gps")
+            now = getattr(r, field)
+            new = seen if abs(seen / now - 1) > update_split.MODEL_DOUBT else 0.5 * (now + seen)
+            new = _clamp(new, getattr(base, field))
+            if other not in self._cpu_seen:  # the other rate was never seen in this run: the same correction
+                setattr(r, other, _clamp(getattr(r, other) * new / now, getattr(base, other)))
+            setattr(r, field, new)
+            self._cpu_seen.add(field)
         if gpu_params and gpu_busy > 0 and self._evaluate is not None:
             predicted = self._evaluate(split.gpu, frozenset(self.prefetched or ()) & frozenset(split.gpu))
             if predicted.predicted_gpu_path_s > 0:
@@ -236,7 +245,8 @@ class HybridHostAdamW:
             rates += f"; runtime split: {self.chooser.describe()}"
         pre = "" if self.prefetched is None else f", {len(self.prefetched)} prefetched during the backward"
         return (f"host update: CPU kernel + GPU path (staging {self.gpu.staging_bytes / GIB:.2f} GiB, "
-                f"{len(self.gpu.kept)} kept masters{pre}); " + "; ".join(parts) + rates)
+                f"{len(self.gpu.names)} candidate groups, {len(self.gpu.kept)} kept masters{pre}); "
+                + "; ".join(parts) + rates)
 
 
 def grad_bytes(cfg) -> int:
@@ -266,22 +276,23 @@ def first_split(order: list[tuple[str, int]], rates: UpdateRates, **kw) -> tuple
     """What ``build_host_tier`` decides first (gpu_path_groups "auto", no prefetch) at ``rates`` for the
     host-tier groups ``order`` ((name, numel), forward order); ``kw``: ``split_args``'s. Returns the split for a
     step that waits for the global norm, and the GPU path's candidates: those groups, the longest prefix a
-    speculative step may take (no head start), and a contested split's groups (one the model predicted no
-    faster than the CPU path alone, but within ``update_split.MODEL_DOUBT`` of it: the first split stays the
-    CPU path alone, and the runtime's SplitChooser tries the split once its calibrated rates predict a gain);
-    no candidate: no GPU path is built. The planner's step-time model predicts the hybrid host update with
-    this same function (one set of rates for both)."""
+    speculative step may take (no head start), a contested split's groups (one the model predicted no faster
+    than the CPU path alone, but within ``update_split.MODEL_DOUBT`` of it), and the hedge (``Split.hedged``:
+    the split at CPU rates ``update_split.CPU_DOUBT`` slower than measured, as the step's kernel has run).
+    Groups beyond the first split (``Split.beyond_plan``) wait on the CPU path until the runtime's
+    calibrated rates propose them and its SplitChooser measures them; no candidate: no GPU path is built. The
+    planner's step-time model predicts the hybrid host update with this same function (one set of rates)."""
     names = [x for x, _ in order]
     args = split_args([n for _, n in order], **kw) if order else None
     if args is None:
         only = sum(n for _, n in order) / (rates.cpu_gps * update_split.GB)
         return Split([], names, only, only, "the GPU staging holds no chunk"), []
     split = plan_split(order, rates, **args)
+    split.hedged = plan_split(order, rates.doubted(), **args).gpu
     # Speculative steps: the GPU path's prefix shrinks as the CPU's head start (the backward) grows; the
     # longest one (no head start) bounds which groups it may ever take.
     longest = len(plan_split(order, rates, speculative=True, backward_s=0.0, **args).gpu)
-    chosen = set(split.gpu) | set(names[:longest])
-    chosen |= set(split.contested_to_try)
+    chosen = set(split.gpu) | set(names[:longest]) | set(split.beyond_plan)
     return split, [x for x in names if x in chosen]
 
 
@@ -354,5 +365,6 @@ def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host
     if not candidates:
         return HybridHostAdamW(cpu_opt, None, splits, rates)
     gpu = StreamedAdamW(store, cfg.optim, candidates, streams, chunk=chunk, kept_budget=kept_budget,
-                        pin=streams.cuda and cfg.pin_memory, prefetch=cfg.gpu_path_prefetch)
+                        pin=streams.cuda and cfg.pin_memory, prefetch=cfg.gpu_path_prefetch,
+                        kept_first=splits[False].gpu)
     return HybridHostAdamW(cpu_opt, gpu, splits, rates, replan, choose, evaluate)

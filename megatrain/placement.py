@@ -372,18 +372,20 @@ def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool
         if path == "hybrid" and on_gpu and not gpu_path_forced and out.host_names and not _gpu_path_groups(out):
             # The engine's split at these rates gives the GPU path nothing in the steps the plan models (clipping
             # firing): keep no staging for it (a speculative step's prefix alone does not pay for a GPU-tier layer)
-            # -- unless the split is contested (within MODEL_DOUBT: the runtime builds its groups as candidates)
-            # and the staging costs nothing the CPU plan has (the same tiers and kept blocks, e.g. pure
-            # streaming): then the runtime starts on the CPU path alone and its measured step times decide.
+            # -- unless the runtime builds candidates all the same (a contested split within MODEL_DOUBT, or the
+            # hedge at CPU rates CPU_DOUBT slower: ``Split.beyond_plan``) and the staging costs nothing the CPU
+            # plan has (the same tiers and kept blocks, e.g. pure streaming): then the runtime starts on the CPU
+            # path alone and its measured step times decide.
             cpu = _plan_path(numels, shape, grads, args, "cpu", staging_reserve)
             contested = int(out.prediction.parts.get("gpu_path_contested", 0)) if out.prediction else 0
             if contested and cpu.tiers == out.tiers and cpu.kept_blocks == out.kept_blocks:
                 out.update_path_setting = "hybrid"
                 out.update_path_reason = (f"hybrid: the split at the update rates ({_rates_text(rates)}) gives the "
-                                          f"GPU path no group first ({out.prediction.split_reason}), but it is within "
-                                          f"{update_split.MODEL_DOUBT:.0%} of the CPU path alone and its staging "
-                                          f"costs no GPU-tier layer: {contested} contested groups built as "
-                                          f"candidates, the runtime's measured step times decide")
+                                          f"GPU path no group first ({out.prediction.split_reason}), but a split "
+                                          f"within {update_split.MODEL_DOUBT:.0%} of the CPU path alone, or one at CPU "
+                                          f"rates {1 + update_split.CPU_DOUBT:.1f}x slower than measured, takes some and "
+                                          f"its staging costs no GPU-tier layer: {contested} contested groups built "
+                                          f"as candidates, the runtime's measured step times decide")
                 return out
             cpu.update_path_setting = "hybrid"
             cpu.update_path_reason = (f"hybrid asked, but the split at the update rates ({_rates_text(rates)}) gives "

@@ -76,10 +76,10 @@ class StreamedAdamW:
     """GPU update path for host-tier groups (see module doc). ``names``: every group it may update (forward
     order); each group streams through the rotating buffers in chunks of ``chunk`` elements (AdamW is
     elementwise: the same arithmetic as one call); ``kept_budget``: bytes of GPU memory for kept masters
-    (4 B/param), given to groups in forward order."""
+    (4 B/param), given to the ``kept_first`` groups, then the others, in forward order."""
 
     def __init__(self, store: ModelStore, cfg: OptimConfig, names: list[str], streams: StreamSet, *,
-                 chunk: int, kept_budget: float, pin: bool, prefetch: bool = False):
+                 chunk: int, kept_budget: float, pin: bool, prefetch: bool = False, kept_first=()):
         self.store, self.cfg, self.names, self.streams = store, cfg, list(names), streams
         dev = self.device = streams.device
         cuda = streams.cuda
@@ -96,6 +96,9 @@ class StreamedAdamW:
         self.kept: dict[str, torch.Tensor] = {}
         self.full: dict[str, torch.Tensor] = {}  # prefetched groups: p | m | v on the GPU (``set_prefetch``)
         self.kept_budget, self.prefetch = kept_budget, prefetch
+        # Groups that take kept masters before the others (the first split's GPU-path groups: candidates the
+        # runtime may never route must not hold the buffers the planned ones use).
+        self.kept_first = [x for x in self.names if x in set(kept_first)]
         self._allocate(())
         self.dev_steps = {name: torch.zeros((), dtype=torch.float32, device=dev) for name in self.names}
         # Host state crosses PCIe asynchronously only from page-locked memory: m, v (and the master when a
@@ -137,7 +140,7 @@ class StreamedAdamW:
                 left -= 12 * n
                 if self.store.shadow is None:
                     self.kept[name] = self.full[name][:n]
-        for name in self.names:
+        for name in self.kept_first + [x for x in self.names if x not in set(self.kept_first)]:
             n = self.store.by_name[name].numel
             if name not in self.full and 4 * n <= left:
                 self.kept[name] = torch.empty(n, dtype=torch.float32, device=self.device)

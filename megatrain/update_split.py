@@ -38,6 +38,13 @@ STATE_BYTES = 12  # fp32 master + m + v, each way
 # streaming 8x1024: the CPU kernel measured 4.33 Gparam/s alone at build, 3.3 in the step (2.29 s busy
 # against 1.76 predicted: 30 % slower), and the split was predicted 1.7 % slower than the CPU path alone.
 MODEL_DOUBT = 0.15
+# How much slower than the build's probe the CPU kernel may run in the step (the probe runs ~1 s on a quiet
+# host; the step's kernel shares the host with the forward's loads, the data and the Python thread). Seen:
+# H100 node, 7B pure streaming 8x1024: 4.33 Gparam/s at build, 3.3 in the step (1.31x, 978fc53); H100, 06d:
+# the probe 5.97, the step's CPU path 3.6-4.0 (1.5-1.7x), and two probes minutes apart 5.97 vs 3.70 (1.61x).
+# ``first_split`` builds the groups a split at CPU rates this much slower would move as GPU-path candidates
+# (``Split.hedged``): the runtime calibrates the CPU rate on its first steps and may then propose them.
+CPU_DOUBT = 0.6
 
 
 @dataclass
@@ -52,6 +59,9 @@ class UpdateRates:
     d2h_gbs: float = 46.0  # PCIe GPU -> host, GB/s, with H2D running at the same time
     gpu_gps: float = 100.0  # fused CUDA AdamW, Gparam/s (HBM-bound; ~28 B/param at ~3 TB/s)
     measured: bool = False  # True when ``measure_rates`` filled them on this machine
+    # The probe's CPU runs alone: (slowest - fastest) / median (0: not measured). Reported with the rates so a
+    # row shows how steady the host was at build.
+    cpu_spread: float = 0.0
 
     @classmethod
     def from_cost_model(cls, rates) -> "UpdateRates":
@@ -69,7 +79,12 @@ class UpdateRates:
 
     def to_dict(self) -> dict:
         return dict(cpu_gps=self.cpu_gps, cpu_loaded_gps=self.cpu_loaded_gps, h2d_gbs=self.h2d_gbs,
-                    d2h_gbs=self.d2h_gbs, gpu_gps=self.gpu_gps, measured=self.measured)
+                    d2h_gbs=self.d2h_gbs, gpu_gps=self.gpu_gps, measured=self.measured, cpu_spread=self.cpu_spread)
+
+    def doubted(self, factor: float = CPU_DOUBT) -> "UpdateRates":
+        """These rates with the CPU kernel ``1 + factor`` times slower, alone and under copies (the link as is)."""
+        return dataclasses.replace(self, cpu_gps=self.cpu_gps / (1 + factor),
+                                   cpu_loaded_gps=self.cpu_loaded_gps / (1 + factor))
 
 
 @dataclass
@@ -89,6 +104,10 @@ class Split:
     # them as candidates when that time is within MODEL_DOUBT of the CPU path's: measurements decide).
     contested: list[str] = field(default_factory=list)
     contested_s: float = 0.0
+    # The GPU-path groups of the after-norm split at CPU rates ``CPU_DOUBT`` slower (``UpdateRates.doubted``;
+    # set by ``host_tier.first_split``): built as candidates, so that the runtime can move them once its
+    # first steps show the CPU kernel slower than the probe said.
+    hedged: list[str] = field(default_factory=list)
 
     @property
     def contested_to_try(self) -> list[str]:
@@ -97,6 +116,13 @@ class Split:
         if self.contested and self.contested_s <= self.predicted_cpu_only_s * (1 + MODEL_DOUBT):
             return list(self.contested)
         return []
+
+    @property
+    def beyond_plan(self) -> list[str]:
+        """Groups built as GPU-path candidates though this split leaves them to the CPU path (a contested split
+        within the doubt, and the hedge), in forward order."""
+        extra = set(self.contested_to_try) | set(self.hedged)
+        return [x for x in self.cpu if x in extra]
 
     @property
     def key(self) -> tuple[str, ...]:
@@ -372,10 +398,14 @@ class SplitChooser:
         return f"measured step times: {times or 'none yet'}; changes: {changes or 'none'}"
 
 
-def measure_rates(device, kernel, numel: int = 1 << 26, copy_bytes: int = 256 << 20) -> UpdateRates:
-    """Measure the rates on this machine (CUDA only; about a second): pinned copies each way with the other
+def measure_rates(device, kernel, numel: int = 1 << 27, copy_bytes: int = 256 << 20, runs: int = 7) -> UpdateRates:
+    """Measure the rates on this machine (CUDA only; one to two seconds): pinned copies each way with the other
     direction running, and ``kernel`` (a megatrain.cpu_adamw.HostKernel) on ``numel`` fp32 parameters with a
-    bf16 gradient, alone and while those copies run."""
+    bf16 gradient, alone and while those copies run; each CPU rate is the median of ``runs`` runs (a fastest
+    run flattered the CPU: on the H100 node two processes minutes apart measured 5.97 and 3.70 Gparam/s as the
+    best of five 15 ms runs, while the step's kernel ran at 3.6-4.0). 128M parameters (1.8 GB of p, m, v, g)
+    make each run ~30-60 ms, long beside a thread pool's wake-up. Only loaded runs that ended while both copy
+    streams still ran count as loaded (the copies are queued to outlast them, and checked)."""
     import torch
 
     from .pinning import pin_in_place, unpin
@@ -391,7 +421,9 @@ def measure_rates(device, kernel, numel: int = 1 << 26, copy_bytes: int = 256 <<
         return time.perf_counter() - t0
 
     cpu_run()  # warm-up (page faults, extension load)
-    rates.cpu_gps = numel / min(cpu_run() for _ in range(5)) / GB  # the best of 5 (one ran ~25 ms at 2.7 GB/s)
+    alone = sorted(cpu_run() for _ in range(runs))
+    rates.cpu_gps = numel / statistics.median(alone) / GB
+    rates.cpu_spread = (alone[-1] - alone[0]) / statistics.median(alone)
     host_up, host_down = torch.empty(copy_bytes, dtype=torch.uint8), torch.empty(copy_bytes, dtype=torch.uint8)
     pin_in_place(host_up, "the update-rate measurement buffer")
     pin_in_place(host_down, "the update-rate measurement buffer")
@@ -399,7 +431,8 @@ def measure_rates(device, kernel, numel: int = 1 << 26, copy_bytes: int = 256 <<
         dev_up = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
         dev_down = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
         s_up, s_down = torch.cuda.Stream(device), torch.cuda.Stream(device)
-        reps = 40  # 10 GiB each way, ~230 ms at 46 GB/s: longer than the five CPU runs below
+        # Copies to outlast the loaded runs: each ~3x a median run alone at most, at up to 64 GB/s a direction.
+        reps = max(40, math.ceil(3 * runs * statistics.median(alone) * 64 * GB / copy_bytes))
         events = []
         for s, dst, src in ((s_up, dev_up, host_up), (s_down, host_down, dev_down)):
             with torch.cuda.stream(s):
@@ -410,12 +443,19 @@ def measure_rates(device, kernel, numel: int = 1 << 26, copy_bytes: int = 256 <<
                 end = torch.cuda.Event(enable_timing=True)
                 end.record(s)
             events.append((start, end))
-        cpu_loaded = [cpu_run() for _ in range(5)]  # while both copy streams run
+        loaded = []
+        for _ in range(runs):  # while both copy streams run
+            t = cpu_run()
+            if not any(end.query() for _, end in events):  # both still copying when this run ended
+                loaded.append(t)
         torch.cuda.synchronize(device)
         up_s, down_s = (a.elapsed_time(b) / 1e3 for a, b in events)
         rates.h2d_gbs = reps * copy_bytes / up_s / GB
         rates.d2h_gbs = reps * copy_bytes / down_s / GB
-        rates.cpu_loaded_gps = numel / sorted(cpu_loaded)[2] / GB  # the median run
+        if loaded:
+            rates.cpu_loaded_gps = numel / statistics.median(loaded) / GB
+        else:  # the copies ended first (a far faster link than planned for): the default ratio to the rate alone
+            rates.cpu_loaded_gps = rates.cpu_gps * UpdateRates.cpu_loaded_gps / UpdateRates.cpu_gps
         del dev_up, dev_down
     finally:
         torch.cuda.synchronize(device)

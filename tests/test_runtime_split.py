@@ -215,3 +215,42 @@ def test_engine_parity_while_the_runtime_split_changes():
     assert stats[1]["split_decision"] == TRY_CPU_ONLY and stats[1]["split_next_gpu_groups"] == 0
     assert stats[2]["split_measured_gpu_groups"] > 0 and stats[3]["split_measured_gpu_groups"] == 0
     assert seen[-1][1][0][2] == TRY_CPU_ONLY
+
+
+def test_the_hedge_lets_the_runtime_move_more_groups_than_the_probe_planned():
+    """H100 node, session 06d (41b7e4d), Qwen2.5-7B pure streaming 8x1024 with the bf16 shadow over the link:
+    the probe said the CPU kernel runs 4.70 Gparam/s alone and 2.71 under copies, so 13 of 30 groups took the
+    GPU path (predicted busy 1.43 s: measured 1.42); the CPU kernel's 17 groups (4.27B) then took 2.156 s --
+    2.0 Gparam/s, the long pole. The candidates were exactly those 13 groups, so no calibration could move
+    more. With the hedge (the split at CPU rates CPU_DOUBT slower) built as candidates, one calibrated step
+    proposes more groups, predicted well faster than both measured splits, and the chooser tries it."""
+    from megatrain.host_tier import first_split, split_args
+
+    layer, vocab_rows = 233_000_000, 544_997_376
+    order = [("embed", vocab_rows)] + [(f"layer.{i}", layer) for i in range(28)] + [("final", vocab_rows)]
+    names = [x for x, _ in order]
+    kw = dict(staging_bytes=0.75 * 2**30, grads_on_host=False, stream_bytes=2, grad_bytes=2, shadow=True)
+    args = split_args([n for _, n in order], **kw)
+    probe = UpdateRates(cpu_gps=4.697, cpu_loaded_gps=2.712, h2d_gbs=39.26, d2h_gbs=52.11, measured=True)
+    first, candidates = first_split(order, probe, **kw)
+    assert len(first.gpu) == 13 and first.predicted_gpu_path_s == pytest.approx(1.425, abs=0.01)
+    assert set(first.gpu) < set(candidates) and set(first.hedged) - set(first.gpu)
+    rates = dataclasses.replace(probe)
+    evaluate = lambda gpu, pre: plan_split(order, rates, prefetched=pre, assign=frozenset(gpu), **args)  # noqa
+    ht = HybridHostAdamW(SimpleNamespace(names=names), None, {False: first}, rates, evaluate=evaluate)
+    cpu_params, gpu_params = (sum(n for x, n in order if x in part) for part in (first.cpu, first.gpu))
+    ht._params = [(cpu_params, gpu_params, False, first)] * 2
+    ht._calibrate({"host_update_busy_s": 2.156, "gpu_path_busy_s": 1.42})
+    assert ht.rates.cpu_loaded_gps == pytest.approx(cpu_params / 2.156e9)  # 26 % below the probe: replaced
+    assert ht.rates.cpu_gps == pytest.approx(probe.cpu_gps * ht.rates.cpu_loaded_gps / probe.cpu_loaded_gps)
+    proposal = plan_split(order, ht.rates, eligible=frozenset(candidates), **args)  # as replan() does
+    stuck = plan_split(order, ht.rates, eligible=frozenset(first.gpu), **args)  # the candidates before the hedge
+    assert stuck.gpu == first.gpu and len(proposal.gpu) > 13
+    assert evaluate(first.gpu, frozenset()).predicted_s - proposal.predicted_s > 0.2
+    chooser = SplitChooser(names)  # 13 groups measured 3 steps, then the CPU path alone (rule 2a), ~2.6 s
+    cpu_only = chooser.cpu_only()
+    for split, step_s in ((first, 2.62), (first, 2.63), (first, 2.61), (cpu_only, 2.60)):
+        chooser.ran(split)
+        chooser.record(split.key, step_s)
+    chosen = chooser.choose(3, cpu_only, proposal, lambda sp: evaluate(sp.gpu, frozenset()).predicted_s)
+    assert chooser.last_decision == TRY_PROPOSAL and chosen.key == proposal.key

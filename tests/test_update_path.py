@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatrain import EngineConfig, MegaTrain, PRESETS
+from megatrain import EngineConfig, MegaTrain, PRESETS, update_split
 from megatrain.update_split import UpdateRates, forced_split, plan_split
 
 from test_engine_parity import (OPTIM, RTOL, assert_matches_reference, assert_parity, batches, engine_cfg,
@@ -284,9 +284,10 @@ def test_prefetch_set_is_a_suffix_bounded_by_spare_link_and_memory():
 
 
 def test_rates_calibrate_from_busy_times_after_the_norm_only():
-    """The rates move halfway to what the run measured, within 4x of the build's; never from speculative or
-    skipped steps: the CPU params over the worker's busy time (the rate under copies with GPU-path groups, the
-    rate alone without), the link rates by the model's GPU-path span for the split that ran over the
+    """Never from speculative or skipped steps; within 4x of the build's: the CPU params over the worker's busy
+    time (the rate under copies with GPU-path groups, the rate alone without) replace a rate they disagree with
+    by more than MODEL_DOUBT, move it halfway within it, and move the other CPU rate by the same factor until
+    the run has seen that one too; the link rates by the model's GPU-path span for the split that ran over the
     measured one (not the GPU path's bytes over that span: the link carried the forward's loads too)."""
     spec = PRESETS["tiny-llama"]
     engine = MegaTrain.from_config(spec.to_hf_config("eager"), hybrid_cfg(gpu_path_groups="auto"), verbose=False)
@@ -296,16 +297,25 @@ def test_rates_calibrate_from_busy_times_after_the_norm_only():
     assert split.gpu and split.predicted_gpu_path_s > 0
     span = ht._evaluate(split.gpu, frozenset()).predicted_gpu_path_s
     ht._params = [(2 * 10**9, 10**9, False, split), (2 * 10**9, 10**9, False, split)]
-    ht._calibrate({"host_update_busy_s": 1.0, "gpu_path_busy_s": span / 2})  # 2 Gparam/s, twice as fast
-    assert ht.rates.cpu_loaded_gps == pytest.approx((base.cpu_loaded_gps + 2.0) / 2)
+    ht._calibrate({"host_update_busy_s": 1.0, "gpu_path_busy_s": span / 2})  # 2 Gparam/s; the path twice as fast
+    assert abs(2.0 / base.cpu_loaded_gps - 1) > update_split.MODEL_DOUBT
+    assert ht.rates.cpu_loaded_gps == pytest.approx(2.0)  # beyond the doubt: replaced
+    assert ht.rates.cpu_gps == pytest.approx(base.cpu_gps * 2.0 / base.cpu_loaded_gps)  # not seen: same factor
     assert ht.rates.h2d_gbs == pytest.approx(base.h2d_gbs * 1.5) and ht.calibrated == 1
-    assert ht.rates.d2h_gbs == pytest.approx(base.d2h_gbs * 1.5) and ht.rates.cpu_gps == base.cpu_gps
+    assert ht.rates.d2h_gbs == pytest.approx(base.d2h_gbs * 1.5)
+    ht._calibrate({"host_update_busy_s": 2 / 2.2, "gpu_path_busy_s": 0.0})  # 2.2: within the doubt, halfway
+    assert ht.rates.cpu_loaded_gps == pytest.approx(2.1)
+    assert ht.rates.cpu_gps == pytest.approx(base.cpu_gps * 2.1 / base.cpu_loaded_gps)
     ht._calibrate({"host_update_busy_s": 1e-9, "gpu_path_busy_s": 0.0})  # absurdly fast: clamped
     assert ht.rates.cpu_loaded_gps == pytest.approx(4 * base.cpu_loaded_gps)
+    assert ht.rates.cpu_gps == pytest.approx(4 * base.cpu_gps)
     cpu_only = forced_split(split.gpu + split.cpu, [])
     ht._params = [(3 * 10**9, 0, False, cpu_only)] * 2  # CPU path alone: its rate without the copies
     ht._calibrate({"host_update_busy_s": 1.0})
-    assert ht.rates.cpu_gps == pytest.approx((base.cpu_gps + 3.0) / 2)
+    assert ht.rates.cpu_gps == pytest.approx(3.0)  # far from 4x the build's: replaced
+    assert ht.rates.cpu_loaded_gps == pytest.approx(4 * base.cpu_loaded_gps)  # seen in this run: stays
+    ht._calibrate({"host_update_busy_s": 3 / 3.2})
+    assert ht.rates.cpu_gps == pytest.approx(3.1)
     before = dataclasses.replace(ht.rates)
     ht._params = [(10**9, 0, True, cpu_only), (10**9, 0, False, cpu_only)]  # a speculative update: not comparable
     ht._calibrate({"host_update_busy_s": 5.0})
@@ -386,3 +396,24 @@ def test_backward_reads_the_kept_master(micro_batches, clip):
         assert served.count(("layer.1", s)) == 2, (s, served)
         assert served.count(("layer.3", s)) == 1, (s, served)
     assert not [x for x in served if x[1] == 0]  # nothing kept before the first update
+
+
+def test_kept_masters_go_to_the_planned_groups_first():
+    """The kept-master budget goes to ``kept_first`` (build_host_tier: the first split's GPU-path groups) before
+    the other candidates, so that a hedge candidate early in the forward order never takes the buffer a planned
+    group's next load would read; with no preference, forward order."""
+    from megatrain.streamed_update import StreamedAdamW
+
+    spec = PRESETS["tiny-llama"]
+    engine = MegaTrain.from_config(spec.to_hf_config("eager"), hybrid_cfg(update_path="cpu"), verbose=False)
+    try:
+        names = [g.name for g in engine.groups]
+        n = {x: engine.store.by_name[x].numel for x in names}
+        budget = 4 * max(n[names[0]], n[names[-1]])  # one master of the two fits, not both
+        assert 4 * (n[names[0]] + n[names[-1]]) > budget
+        make = lambda **kw: StreamedAdamW(engine.store, OPTIM, [names[0], names[-1]], engine.streams,  # noqa: E731
+                                          chunk=1 << 20, kept_budget=budget, pin=False, **kw)
+        assert list(make().kept) == [names[0]]
+        assert list(make(kept_first=[names[-1]]).kept) == [names[-1]]
+    finally:
+        engine.close()

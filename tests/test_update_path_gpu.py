@@ -136,3 +136,17 @@ def test_cuda_plan_and_runtime_split_agree_at_the_measured_rates(gpu_resident):
             assert engine.placement.update_path_reason.startswith("hybrid asked, but the split")
     finally:
         engine.close()
+
+
+def test_cuda_measure_rates_is_a_median_with_its_spread_and_loaded_runs_under_copies():
+    """The build probe (update_split.measure_rates): CPU rates are medians (so one fast run does not set them),
+    the spread of the runs alone is reported, the loaded runs ran while both copy streams did, and the link
+    rates are plausible for PCIe (1-100 GB/s each way)."""
+    from megatrain.cpu_adamw import HostKernel
+    from megatrain.update_split import measure_rates
+
+    rates = measure_rates(torch.device("cuda"), HostKernel(OPTIM, 0), numel=1 << 24, runs=5)
+    assert rates.measured and rates.cpu_gps > 0 and rates.cpu_spread >= 0
+    assert 0 < rates.cpu_loaded_gps <= 1.5 * rates.cpu_gps
+    assert 1.0 < rates.h2d_gbs < 100.0 and 1.0 < rates.d2h_gbs < 100.0
+    assert rates.to_dict()["cpu_spread"] == rates.cpu_spread

@@ -214,7 +214,11 @@ def test_a_contested_split_is_kept_as_candidates_within_the_model_doubt():
     far = plan_split(order, far_rates, stream_bytes=4, grad_bytes=4)
     assert far.gpu == [] and far.contested  # a split exists, but 31 % slower than the CPU path alone
     assert far.contested_s > far.predicted_cpu_only_s * (1 + update_split.MODEL_DOUBT)
-    assert first_split(order, far_rates, **kw)[1] == []  # beyond the doubt: no GPU path built
+    far_first, far_candidates = first_split(order, far_rates, **kw)
+    assert far_first.contested_to_try == []  # beyond the doubt: the contested split is no candidate, but the
+    hedge = plan_split(order, far_rates.doubted(), stream_bytes=4, grad_bytes=4)  # hedge (CPU 1.6x slower) is
+    assert hedge.gpu and far_first.hedged == hedge.gpu and far_candidates == hedge.gpu == far_first.beyond_plan
+    assert first_split(order, FAST_CPU, **kw)[1] == []  # no split even at the doubted rates: no GPU path built
 
 
 def test_contested_hybrid_is_kept_where_its_staging_costs_no_gpu_tier_layer_and_matches_pytorch():
@@ -272,3 +276,42 @@ def test_the_h100_7b_case_is_contested_and_a_calibrated_cpu_rate_proposes_the_sp
     calibrated = dataclasses.replace(H100_LIKE, cpu_gps=3.8)
     proposal, _ = first_split(order, calibrated, **kw)
     assert proposal.gpu == first.contested and proposal.predicted_s < proposal.predicted_cpu_only_s * 0.95
+
+
+def test_hedged_candidates_start_on_the_cpu_path_then_take_the_gpu_path_and_match_pytorch(monkeypatch):
+    """At rates where the first split is the CPU path alone and no contested split is within the doubt, the
+    hedge (the split at CPU rates CPU_DOUBT slower) is built as the GPU path's candidates; a run whose runtime
+    then routes those groups to the GPU path (here forced from the third step: on a CPU the busy times the
+    chooser would weigh are not the GPU's) matches plain PyTorch, and the first steps ran the CPU path alone."""
+    from megatrain.host_tier import HybridHostAdamW
+    from megatrain.update_split import Split
+
+    spec = PRESETS["tiny-llama"]
+    hf = spec.to_hf_config("eager")
+    cfg = hybrid_cfg(gpu_path_groups="auto")
+    far = UpdateRates(cpu_gps=6.0, cpu_loaded_gps=3.96, h2d_gbs=42.6, d2h_gbs=51.7)
+    engine = MegaTrain.from_config(hf, cfg, verbose=False, rates=cost_model.Rates(update=dataclasses.replace(far)))
+    try:
+        ht = engine.host_tier
+        first = ht.split_for(False)
+        assert first.gpu == [] and first.contested_to_try == [] and first.hedged
+        assert ht.gpu is not None and ht.gpu.names == first.beyond_plan
+        plan, _, _ = _tiny_plan(engine, cfg, far)  # the plan as on a GPU: pure streaming stays hybrid
+        assert plan.update_path == "hybrid" and plan.prediction.parts["gpu_path_groups"] == 0
+        assert plan.prediction.parts["gpu_path_contested"] == len(first.beyond_plan)
+        assert "1.6x slower than measured" in plan.update_path_reason
+    finally:
+        engine.close()
+    routed = []
+
+    def choose(self, stats, proposal, prefetched):
+        split = Split(list(self.gpu.names), [x for x in self.names if x not in self.gpu.names], reason="test")
+        chosen = split if self.steps_observed >= 2 else self.splits[False]
+        routed.append(len(chosen.gpu))
+        return chosen
+
+    monkeypatch.setattr(HybridHostAdamW, "_choose", choose)
+    stats = {}
+    assert_parity(hf, cfg, batches(spec, steps=4), engine_kwargs=dict(rates=cost_model.Rates(update=far)),
+                  stats_out=stats)
+    assert routed[0] == 0 and routed[-1] > 0 and stats["gpu_path_groups"] > 0 and stats["cpu_groups"] > 0

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Device calls of the hedge change (session 2026-12-06e): the GPU path's candidates include the split at CPU
+# rates CPU_DOUBT slower than the build's probe, the probe's CPU rates are medians, and a calibration that
+# disagrees with the probe beyond MODEL_DOUBT replaces it. Each call carries
+#   ["wheelhouse"]
+# and runs strictly back to back on one warm machine (H200; on an 80 GB card the 3B pair replaces 14B).
+#   call 1: kernels, the update path's GPU tests (parity + the probe), then clipping firing, the CPU path (cores
+#           bound, the default) beside the hybrid in one runner each: 7B pure streaming 8x1024 (fp32 weights
+#           over the link, then the bf16 shadow), then 14B tiered 16x1024 (H200) or 3B pure streaming (H100)
+#   call 2: the same pairs without clipping (max_grad_norm 1e9), then the 3B pair with clipping on an H200
+# Warm-up 6 steps: the runtime split needs ~4 steps to calibrate, measure the CPU path alone once and try the
+# calibrated proposal; the 4 timed steps then run the split it kept (the rows' split_* phases say which).
+# Usage (repo root): bash results/update_path/chain_hedge.sh K <git sha>
+set -uo pipefail
+K=$1
+source scripts/device_call_env.sh "hedge$K" "$2"  # env, say, install (a warm machine keeps /tmp/site)
+R=/tmp/hedge$K
+mkdir -p "$R"
+snap() { tar czf "$OUT/hedge$K.tgz" -C /tmp "hedge$K" 2>/dev/null; }  # after every runner: a cut call keeps its rows
+budget() { echo $(( ${1} - ($(date +%s) - t0) )); }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/hedge$K.log"
+mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+P7='megatrain__qwen2.5-7b__*__b8__streaming_cpu_pinned__*,megatrain__qwen2.5-7b__*__b8__streaming_hybrid__*'
+P7B='megatrain__qwen2.5-7b__*__b8__streaming_cpu_pinned_bf16__*,megatrain__qwen2.5-7b__*__b8__streaming_hybrid_bf16__*'
+P14='megatrain__qwen2.5-14b__*__b16__tiered_cpu_pinned__*,megatrain__qwen2.5-14b__*__b16__tiered_hybrid__*'
+P3='megatrain__qwen2.5-3b__*__b16__streaming_cpu_pinned__*,megatrain__qwen2.5-3b__*__b16__streaming_hybrid__*'
+# On an 80 GB card (H100) the 14B tiered plan does not fit beside this host's RAM: the 3B pair in its place.
+THIRD=qwen2.5-14b; PT=$P14
+if [ "${mem:-0}" -lt 100000 ]; then THIRD=qwen2.5-3b; PT=$P3; say "GPU memory ${mem} MiB: the 3B pair in place of 14B"; fi
+new() { python3 -m experiments.run sweep=update_path results_dir=$R post=false "$@" >> "$OUT/hedge$K.log" 2>&1; say "runner exit $?"; snap; }
+STEPS='steps=4 warmup_steps=6'
+case $K in
+  1)
+    build_kernels
+    say "GPU tests: update path"
+    timeout 110 python3 -m pytest -m gpu tests/test_update_path_gpu.py -q -p no:cacheprovider > "$OUT/gputests.log" 2>&1
+    say "pytest exit $?"; tail -3 "$OUT/gputests.log" >> "$OUT/hedge$K.log"
+    say "clipping fires: 7B fp32 link pair, 7B bf16 link pair, $THIRD pair"
+    new $STEPS timeout_s=130 'sweep.models=[qwen2.5-7b]' "only=[$P7]" time_budget_s=$(budget 300)
+    new $STEPS timeout_s=130 'sweep.models=[qwen2.5-7b]' "only=[$P7B]" time_budget_s=$(budget 420)
+    new $STEPS timeout_s=130 "sweep.models=[$THIRD]" "only=[$PT]" time_budget_s=$(budget 560)
+    ;;
+  2)
+    build_kernels  # cached on a warm machine
+    NC='sweep.name=update_path_noclip optim.max_grad_norm=1e9'
+    say "no clipping: 7B fp32 link pair, $THIRD pair"
+    new $NC $STEPS timeout_s=130 'sweep.models=[qwen2.5-7b]' "only=[$P7]" time_budget_s=$(budget 200)
+    new $NC $STEPS timeout_s=130 "sweep.models=[$THIRD]" "only=[$PT]" time_budget_s=$(budget 400)
+    if [ "$THIRD" = qwen2.5-14b ]; then
+      say "clipping fires: 3B pair"
+      new $STEPS timeout_s=100 'sweep.models=[qwen2.5-3b]' "only=[$P3]" time_budget_s=$(budget 560)
+    fi
+    ;;
+  *) say "K must be 1 or 2"; exit 2 ;;
+esac
+say done
