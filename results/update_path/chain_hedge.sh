@@ -5,8 +5,9 @@
 #   ["wheelhouse"]
 # and runs strictly back to back on one warm machine (H200; on an 80 GB card the 3B pair replaces 14B).
 #   call 1: kernels, the update path's GPU tests (parity + the probe), then clipping firing, the CPU path (cores
-#           bound, the default) beside the hybrid in one runner each: 7B pure streaming 8x1024 (fp32 weights
-#           over the link, then the bf16 shadow), then 14B tiered 16x1024 (H200) or 3B pure streaming (H100)
+#           bound, the default) beside the hybrid in one runner each: 7B pure streaming 8x1024 (the bf16 shadow
+#           over the link, then fp32 weights), then 14B tiered 16x1024 (H200) or 3B pure streaming (H100);
+#           END_S=<s> (default 560): when the runners stop starting points, for a call with less device time
 #   call 2: the same pairs without clipping (max_grad_norm 1e9), then the 3B pair with clipping on an H200
 # Warm-up 6 steps: the runtime split needs ~4 steps to calibrate, measure the CPU path alone once and try the
 # calibrated proposal; the 4 timed steps then run the split it kept (the rows' split_* phases say which).
@@ -35,10 +36,11 @@ case $K in
     say "GPU tests: update path"
     timeout 110 python3 -m pytest -m gpu tests/test_update_path_gpu.py -q -p no:cacheprovider > "$OUT/gputests.log" 2>&1
     say "pytest exit $?"; tail -3 "$OUT/gputests.log" >> "$OUT/hedge$K.log"
-    say "clipping fires: 7B fp32 link pair, 7B bf16 link pair, $THIRD pair"
-    new $STEPS timeout_s=130 'sweep.models=[qwen2.5-7b]' "only=[$P7]" time_budget_s=$(budget 300)
-    new $STEPS timeout_s=130 'sweep.models=[qwen2.5-7b]' "only=[$P7B]" time_budget_s=$(budget 420)
-    new $STEPS timeout_s=130 "sweep.models=[$THIRD]" "only=[$PT]" time_budget_s=$(budget 560)
+    end=${END_S:-560}  # seconds into the call by which runners stop starting points (less device time left: less)
+    say "clipping fires: 7B bf16 link pair, 7B fp32 link pair, $THIRD pair (end ${end} s)"
+    new $STEPS timeout_s=130 'sweep.models=[qwen2.5-7b]' "only=[$P7B]" time_budget_s=$(budget $((end - 300)))
+    new $STEPS timeout_s=130 'sweep.models=[qwen2.5-7b]' "only=[$P7]" time_budget_s=$(budget $((end - 160)))
+    new $STEPS timeout_s=130 "sweep.models=[$THIRD]" "only=[$PT]" time_budget_s=$(budget $end)
     ;;
   2)
     build_kernels  # cached on a warm machine
