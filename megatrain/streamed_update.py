@@ -4,9 +4,11 @@
 master, m and v go up on an upload stream, the fused AdamW (the GPU tier's kernel, ``optim.adamw_``) runs
 on an update stream with the step's clip coefficient, and master, m, v go back on a download stream into
 the (pinned) host store, in chunks through two rotating buffers. The updated master stays on the GPU in a
-*kept* buffer when the staging budget allows, and every load of the group until its next update casts it
-into its slot from there (``device_source``): the next forward's and the backward's (no load over the link,
-no wait for the download); otherwise a load reads host RAM once the download has landed. The gradient is
+*kept* buffer when the staging budget allows (with a bf16 shadow, ``stream_dtype="bf16"``: the shadow, cast
+from the updated master on the GPU, the very bits downloaded into the host shadow), and every load of the
+group until its next update casts it into its slot from there (``device_source``): the next forward's and
+the backward's (no load over the link, no wait for the download); otherwise a load reads host RAM once the
+download has landed. The gradient is
 used where it waits (on the GPU; uploaded first with grad_placement="host"). With prefetch, a group's state
 goes up during the backward instead.
 
@@ -127,24 +129,26 @@ class StreamedAdamW:
         self.updates = 0  # groups updated on this path
 
     def _allocate(self, full_names) -> None:
-        """Full buffers (12 B/param) for ``full_names``, then kept masters (4 B/param) for the other groups in
-        forward order, within ``kept_budget``."""
+        """Full buffers (12 B/param) for ``full_names``, then kept weights for the other groups (``kept_first``
+        first, then forward order) within ``kept_budget``: the fp32 master (4 B/param), or with a bf16 shadow
+        the shadow (2 B/param: the forward computes with the rounded master, which is what loads read)."""
         self.kept, self.full = {}, {}
-        # With a bf16 shadow the forward computes with the rounded master: loads read the shadow (written back
-        # with the master), so nothing is kept (a kept fp32 master would give different weights).
-        left = self.kept_budget if self.store.shadow is None else 0.0
+        shadow = self.store.shadow is not None
+        dtype = next(iter(self.store.shadow.values())).dtype if shadow and self.store.shadow else torch.float32
+        per = torch.finfo(dtype).bits // 8
+        left = self.kept_budget
         for name in self.names:
             n = self.store.by_name[name].numel
             if name in full_names and 12 * n <= left:
                 self.full[name] = torch.empty(3 * n, dtype=torch.float32, device=self.device)
                 left -= 12 * n
-                if self.store.shadow is None:
+                if not shadow:
                     self.kept[name] = self.full[name][:n]
         for name in self.kept_first + [x for x in self.names if x not in set(self.kept_first)]:
             n = self.store.by_name[name].numel
-            if name not in self.full and 4 * n <= left:
-                self.kept[name] = torch.empty(n, dtype=torch.float32, device=self.device)
-                left -= 4 * n
+            if name not in self.full and per * n <= left:
+                self.kept[name] = torch.empty(n, dtype=dtype, device=self.device)
+                left -= per * n
 
     def set_prefetch(self, names) -> list[str]:
         """From now on, upload ``names``' state during the backward (as each gradient arrives); returns the
@@ -160,7 +164,7 @@ class StreamedAdamW:
     @property
     def staging_bytes(self) -> int:
         return (sum(t.numel() * 4 for t in self.rot) + sum(t.numel() * 4 for t in self.full.values())
-                + sum(t.numel() * 4 for x, t in self.kept.items() if x not in self.full))
+                + sum(t.numel() * t.element_size() for x, t in self.kept.items() if x not in self.full))
 
     # -- GroupOptimizer -------------------------------------------------------------------------------
     def begin_step(self, step: int, speculate: bool) -> None:
@@ -226,6 +230,8 @@ class StreamedAdamW:
                 done = self._update_prefetched(name, flat, ready, prefetched[name], lr, scale)
                 continue
             n, kept = st.by_name[name].numel, self.kept.get(name)
+            has_shadow = st.shadow is not None and name in st.shadow
+            kept_master = kept if kept is not None and not has_shadow else None  # updated in place
             st.steps[name].add_(1)  # host count (checkpoints read it); the kernel wants it on the device
             with s.use(self.up):
                 if self._down.get(name) is not None:  # this group's host state is complete (last update)
@@ -244,7 +250,7 @@ class StreamedAdamW:
                 k, b = e - a, self._next % len(self.rot)
                 self._next += 1
                 buf = self.rot[b]
-                p = kept[a:e] if kept is not None else buf[:k]
+                p = kept_master[a:e] if kept_master is not None else buf[:k]
                 m, v = buf[self.chunk:self.chunk + k], buf[2 * self.chunk:2 * self.chunk + k]
                 with s.use(self.up):
                     if self.rot_free[b] is not None:  # the buffer's previous chunk has been downloaded
@@ -262,7 +268,11 @@ class StreamedAdamW:
                     # fp32 gradients are divided by ``scale`` in place by the fused kernel (ours to consume).
                     g32 = g if g.dtype == torch.float32 else g.float()
                     adamw_(p, g32, m, v, self.dev_steps[name], lr, self.cfg, scale)
-                    shadow = p.to(st.shadow[name].dtype) if (st.shadow is not None and name in st.shadow) else None
+                    if has_shadow and kept is not None:  # the kept shadow: every load until the next update
+                        shadow = kept[a:e]
+                        shadow.copy_(p)  # the rounding the host shadow gets (the download below is this tensor)
+                    else:
+                        shadow = p.to(st.shadow[name].dtype) if has_shadow else None
                     updated = s.record(self.upd)
                 with s.use(self.down):
                     self.down.wait_event(updated)
@@ -330,9 +340,10 @@ class StreamedAdamW:
         return None if ev is None else _TimedWait(ev, self.wait_timer)
 
     def device_source(self, name: str) -> torch.Tensor | None:
-        """The updated fp32 master of ``name`` on the GPU, for every load until the group's next update (the
-        next forward's cast and the backward's read it; a kept layer's backward load then neither crosses the
-        link nor waits for the download); None where it is not kept or stale (a load reads host RAM)."""
+        """The updated fp32 master of ``name`` on the GPU (with a bf16 shadow: the shadow, the bits the host
+        shadow gets), for every load until the group's next update (the next forward's cast and the
+        backward's read it; a kept layer's backward load then neither crosses the link nor waits for the
+        download); None where it is not kept or stale (a load reads host RAM)."""
         self.flush()
         return self.kept[name] if name in self._fresh else None
 

@@ -140,19 +140,43 @@ def test_auto_split_uses_both_paths_on_default_rates():
     engine.close()
 
 
-def test_cpu_path_reports_counts_and_bf16_shadow_matches():
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_cpu_path_reports_counts_and_bf16_shadow_matches(micro_batches):
     """update_path="cpu" reports every host group on the CPU path; with a bf16 shadow the hybrid engine
-    produces the same losses and weights as the CPU-only one (the GPU path refreshes the shadow too)."""
+    produces the same losses and weights as the CPU-only one (the GPU path refreshes the shadow too), and its
+    GPU-path groups keep their shadow on the device (2 B/param): from the second step on every load of them
+    reads that kept bf16 copy, the very bits the host shadow got."""
+    import megatrain.streamed_update as su
+
     spec = PRESETS["tiny-llama"]
     hf = spec.to_hf_config("eager")
     data = batches(spec)
     results = {}
+    served = []  # (group, dtype) of every load a kept copy served
+    orig = su.StreamedAdamW.device_source
+
+    def source(self, name):
+        out = orig(self, name)
+        if out is not None:
+            served.append((name, out.dtype))
+            assert torch.equal(out.cpu(), self.store.shadow[name])  # the kept bits are the host shadow's
+        return out
+
     for path in ("cpu", "hybrid"):
-        cfg = hybrid_cfg(update_path=path, stream_dtype="bf16")
+        cfg = hybrid_cfg(update_path=path, stream_dtype="bf16", micro_batches=micro_batches)
         engine = MegaTrain.from_config(hf, cfg, verbose=False)
-        losses = [engine.step(b).loss for b in data]
+        su.StreamedAdamW.device_source = source
+        try:
+            losses = [engine.step(b).loss for b in data]
+        finally:
+            su.StreamedAdamW.device_source = orig
         if path == "cpu":
             assert engine.stats["cpu_groups"] == spec.num_layers + 2 and engine.stats["gpu_path_groups"] == 0
+        else:
+            kept = engine.host_tier.gpu.kept
+            assert set(kept) == set(FORCED.split(",")) and all(t.dtype == torch.bfloat16 for t in kept.values())
+            assert {name for name, _ in served} == set(FORCED.split(","))
+            assert {dtype for _, dtype in served} == {torch.bfloat16}
         engine.synchronize()
         results[path] = (losses, {k: v.clone() for k, v in engine.state_dict().items()},
                          {n: (t.clone(), engine.store.master[n].to(t.dtype)) for n, t in engine.store.shadow.items()})

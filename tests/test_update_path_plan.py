@@ -55,8 +55,8 @@ def _runtime_split(engine, cfg, plan, urates):
                          ids=["slow_cpu", "default", "contested", "fast_cpu"])
 def test_planned_gpu_path_groups_are_the_runtime_split(urates, overrides):
     """Same rates, same host tier, same staging: the groups the plan's hybrid term puts on the GPU path are
-    those build_host_tier's split chooses (interleaved; a bf16 shadow keeps no master, so its split differs;
-    fp32 gradients waiting on the host), none at all where the CPU is fast."""
+    those build_host_tier's split chooses (interleaved; a bf16 shadow, kept as 2 B/param and
+    loaded as 2; fp32 gradients waiting on the host), none at all where the CPU is fast."""
     spec = PRESETS["tiny-llama"]
     cfg = hybrid_cfg(gpu_path_groups="auto", **overrides)
     engine = MegaTrain.from_config(spec.to_hf_config("eager"), dataclasses.replace(cfg, update_path="cpu"),
