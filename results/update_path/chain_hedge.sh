@@ -8,6 +8,7 @@
 #           bound, the default) beside the hybrid in one runner each: 7B pure streaming 8x1024 (the bf16 shadow
 #           over the link, then fp32 weights), then 14B tiered 16x1024 (H200) or 3B pure streaming (H100);
 #           END_S=<s> (default 560): when the runners stop starting points, for a call with less device time
+#           (below 500: the two 7B pairs only)
 #   call 2: the same pairs without clipping (max_grad_norm 1e9), then the 3B pair with clipping on an H200
 # Warm-up 6 steps: the runtime split needs ~4 steps to calibrate, measure the CPU path alone once and try the
 # calibrated proposal; the 4 timed steps then run the split it kept (the rows' split_* phases say which).
@@ -38,9 +39,14 @@ case $K in
     say "pytest exit $?"; tail -3 "$OUT/gputests.log" >> "$OUT/hedge$K.log"
     end=${END_S:-560}  # seconds into the call by which runners stop starting points (less device time left: less)
     say "clipping fires: 7B bf16 link pair, 7B fp32 link pair, $THIRD pair (end ${end} s)"
-    new $STEPS timeout_s=130 'sweep.models=[qwen2.5-7b]' "only=[$P7B]" time_budget_s=$(budget $((end - 300)))
-    new $STEPS timeout_s=130 'sweep.models=[qwen2.5-7b]' "only=[$P7]" time_budget_s=$(budget $((end - 160)))
-    new $STEPS timeout_s=130 "sweep.models=[$THIRD]" "only=[$PT]" time_budget_s=$(budget $end)
+    if [ "$end" -ge 500 ]; then
+      new $STEPS timeout_s=130 'sweep.models=[qwen2.5-7b]' "only=[$P7B]" time_budget_s=$(budget $((end - 300)))
+      new $STEPS timeout_s=130 'sweep.models=[qwen2.5-7b]' "only=[$P7]" time_budget_s=$(budget $((end - 160)))
+      new $STEPS timeout_s=130 "sweep.models=[$THIRD]" "only=[$PT]" time_budget_s=$(budget $end)
+    else  # a short call: the two 7B pairs only
+      new $STEPS timeout_s=130 'sweep.models=[qwen2.5-7b]' "only=[$P7B]" time_budget_s=$(budget $((end - 140)))
+      new $STEPS timeout_s=130 'sweep.models=[qwen2.5-7b]' "only=[$P7]" time_budget_s=$(budget $end)
+    fi
     ;;
   2)
     build_kernels  # cached on a warm machine
