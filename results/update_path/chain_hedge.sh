@@ -10,6 +10,7 @@
 #           END_S=<s> (default 560): when the runners stop starting points, for a call with less device time
 #           (below 500: the two 7B pairs only)
 #   call 2: the same pairs without clipping (max_grad_norm 1e9), then the 3B pair with clipping on an H200
+#   call 3 (the last few minutes): kernels, then the 7B pair with the bf16 shadow over the link (END_S, 200)
 # Warm-up 6 steps: the runtime split needs ~4 steps to calibrate, measure the CPU path alone once and try the
 # calibrated proposal; the 4 timed steps then run the split it kept (the rows' split_* phases say which).
 # Usage (repo root): bash results/update_path/chain_hedge.sh K <git sha>
@@ -59,6 +60,10 @@ case $K in
       new $STEPS timeout_s=100 'sweep.models=[qwen2.5-3b]' "only=[$P3]" time_budget_s=$(budget 560)
     fi
     ;;
-  *) say "K must be 1 or 2"; exit 2 ;;
+  3)  # the last few minutes of a session's device time: kernels, then the bf16-link 7B pair (clipping fires)
+    build_kernels
+    new $STEPS timeout_s=130 'sweep.models=[qwen2.5-7b]' "only=[$P7B]" time_budget_s=$(budget ${END_S:-200})
+    ;;
+  *) say "K must be 1, 2 or 3"; exit 2 ;;
 esac
 say done
