@@ -62,6 +62,8 @@ case $K in
     ;;
   3)  # the last few minutes of a session's device time: kernels, then the bf16-link 7B pair (clipping fires)
     build_kernels
+    # HYBRID_ONLY=1 (under ~3 minutes): the hybrid point alone; its chooser still measures the CPU path once
+    [ -n "${HYBRID_ONLY:-}" ] && P7B='megatrain__qwen2.5-7b__*__b8__streaming_hybrid_bf16__*'
     new $STEPS timeout_s=130 'sweep.models=[qwen2.5-7b]' "only=[$P7B]" time_budget_s=$(budget ${END_S:-200})
     ;;
   *) say "K must be 1, 2 or 3"; exit 2 ;;
