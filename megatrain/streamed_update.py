@@ -100,7 +100,8 @@ class StreamedAdamW:
         self.kept_budget, self.prefetch = kept_budget, prefetch
         # Groups that take kept masters before the others (the first split's GPU-path groups: candidates the
         # runtime may never route must not hold the buffers the planned ones use).
-        self.kept_first = [x for x in self.names if x in set(kept_first)]
+        first = set(kept_first)
+        self.kept_first = [x for x in self.names if x in first]
         self._allocate(())
         self.dev_steps = {name: torch.zeros((), dtype=torch.float32, device=dev) for name in self.names}
         # Host state crosses PCIe asynchronously only from page-locked memory: m, v (and the master when a
@@ -133,19 +134,18 @@ class StreamedAdamW:
         first, then forward order) within ``kept_budget``: the fp32 master (4 B/param), or with a bf16 shadow
         the shadow (2 B/param: the forward computes with the rounded master, which is what loads read)."""
         self.kept, self.full = {}, {}
-        shadow = self.store.shadow is not None
-        dtype = next(iter(self.store.shadow.values())).dtype if shadow and self.store.shadow else torch.float32
-        per = torch.finfo(dtype).bits // 8
         left = self.kept_budget
         for name in self.names:
             n = self.store.by_name[name].numel
             if name in full_names and 12 * n <= left:
                 self.full[name] = torch.empty(3 * n, dtype=torch.float32, device=self.device)
                 left -= 12 * n
-                if not shadow:
+                if self.store.stream_source(name).dtype == torch.float32:  # loads read the master itself
                     self.kept[name] = self.full[name][:n]
-        for name in self.kept_first + [x for x in self.names if x not in set(self.kept_first)]:
-            n = self.store.by_name[name].numel
+        first = set(self.kept_first)
+        for name in self.kept_first + [x for x in self.names if x not in first]:
+            n, dtype = self.store.by_name[name].numel, self.store.stream_source(name).dtype  # what loads read
+            per = torch.finfo(dtype).bits // 8
             if name not in self.full and per * n <= left:
                 self.kept[name] = torch.empty(n, dtype=dtype, device=self.device)
                 left -= per * n

@@ -19,10 +19,6 @@
 set -uo pipefail
 K=$1
 source scripts/device_call_env.sh "sr$K" "$2"  # env, say, install
-R=/tmp/sr$K
-mkdir -p "$R"
-snap() { tar czf "$OUT/sr$K.tgz" -C /tmp "sr$K" 2>/dev/null; }
-budget() { echo $(( ${1} - ($(date +%s) - t0) )); }
 bash scripts/ship_gguf.sh stash >> "$OUT/sr$K.log" 2>&1; have=$?  # no parts carried: exit 1, harmless
 build_kernels
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/sr$K.log"

@@ -24,10 +24,6 @@
 set -uo pipefail
 K=$1
 source scripts/device_call_env.sh "up$K" "$2"  # env, say, install (a warm machine keeps /tmp/site)
-R=/tmp/up$K
-mkdir -p "$R"
-snap() { tar czf "$OUT/up$K.tgz" -C /tmp "up$K" 2>/dev/null; }  # after every runner: a cut call keeps its rows
-budget() { echo $(( ${1} - ($(date +%s) - t0) )); }
 bash scripts/ship_gguf.sh stash >> "$OUT/up$K.log" 2>&1; have=$?
 say "GGUF stash exit $have (0 = every part here)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/up$K.log"

@@ -17,10 +17,6 @@
 set -uo pipefail
 K=$1
 source scripts/device_call_env.sh "hedge$K" "$2"  # env, say, install (a warm machine keeps /tmp/site)
-R=/tmp/hedge$K
-mkdir -p "$R"
-snap() { tar czf "$OUT/hedge$K.tgz" -C /tmp "hedge$K" 2>/dev/null; }  # after every runner: a cut call keeps its rows
-budget() { echo $(( ${1} - ($(date +%s) - t0) )); }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/hedge$K.log"
 mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 P7='megatrain__qwen2.5-7b__*__b8__streaming_cpu_pinned__*,megatrain__qwen2.5-7b__*__b8__streaming_hybrid__*'
