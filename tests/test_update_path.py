@@ -441,3 +441,20 @@ def test_kept_masters_go_to_the_planned_groups_first():
         assert list(make(kept_first=[names[-1]]).kept) == [names[-1]]
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_parity_kept_bf16_shadow_against_pytorch(micro_batches):
+    """The GPU path's kept bf16 shadow (stream_dtype="bf16") against tests/reference.py doing the same casting
+    (the fp32 master rounded to bf16 once per step): losses at the fp32 bound, weights at BF16_WEIGHT_RTOL
+    (test_engine_parity explains it), with the GPU-path groups' loads served by their kept copies."""
+    from test_engine_parity import BF16_WEIGHT_RTOL, run_engine
+
+    spec = PRESETS["tiny-llama"]
+    hf, data = spec.to_hf_config("eager"), batches(spec)
+    stats = {}
+    init, losses, final = run_engine(hf, hybrid_cfg(stream_dtype="bf16", micro_batches=micro_batches), data,
+                                     stats_out=stats)
+    assert stats["gpu_path_groups"] > 0 and stats["cpu_groups"] > 0
+    assert_matches_reference(hf, init, losses, final, data, micro_batches, weight_rtol=BF16_WEIGHT_RTOL,
+                             stream_dtype=torch.bfloat16)
