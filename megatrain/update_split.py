@@ -431,8 +431,9 @@ def measure_rates(device, kernel, numel: int = 1 << 27, copy_bytes: int = 256 <<
         dev_up = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
         dev_down = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
         s_up, s_down = torch.cuda.Stream(device), torch.cuda.Stream(device)
-        # Copies to outlast the loaded runs: each ~3x a median run alone at most, at up to 64 GB/s a direction.
-        reps = max(40, math.ceil(3 * runs * statistics.median(alone) * 64 * GB / copy_bytes))
+        # Copies to outlast the loaded runs: each ~3x a median run alone at most, at up to 64 GB/s a direction;
+        # at most 400 (~2 s at 50 GB/s: a very slow host keeps the probe short, its late runs not counted).
+        reps = min(400, max(40, math.ceil(3 * runs * statistics.median(alone) * 64 * GB / copy_bytes)))
         events = []
         for s, dst, src in ((s_up, dev_up, host_up), (s_down, host_down, dev_down)):
             with torch.cuda.stream(s):
