@@ -85,6 +85,11 @@ class MegaTrainSystem:
     def memory(self) -> MemoryStats:
         return self.engine.memory()
 
+    def choosing(self) -> str:
+        """Why the engine is still tuning itself ("" when it is not; ``MegaTrain.choosing``): the runner's
+        warm-up goes on while it says so (``settle_steps``)."""
+        return self.engine.choosing()
+
     def phase_times(self) -> dict[str, float]:
         """The last step's phase timings and counters (``MegaTrain.stats``: host wall time per phase,
         ``optimizer_exposed_s`` = time the step waited for the host AdamW, ``host_update_busy_s``,

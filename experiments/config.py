@@ -146,6 +146,9 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)  # every system's AdamW (megatrain.system)
     steps: int = 5  # measured steps per point
     warmup_steps: int = 2  # steps run first and excluded from the statistics (not optim.warmup_steps)
+    # then at most this many more warm-up steps while the system says it is still choosing how to run
+    # (MegaTrain: speculate="auto" measuring both modes, the runtime split's trials; one process only)
+    settle_steps: int = 8
     batch_size: int = 8
     seq_len: int = 1024
     micro_batches: int = 1

@@ -131,6 +131,7 @@ def summarize(records: list[dict], job: Job) -> dict:
     timed = [r for r in records if not r.get("warmup")]
     times = [r["step_time_s"] for r in timed]
     out["measured_steps_done"] = len(times)
+    out["warmup_steps_run"] = len(records) - len(timed)  # warmup_steps, plus any the system asked to settle
     if not times:
         return out
     # the spread of the timed steps: a difference inside it is noise, not a result
@@ -257,7 +258,8 @@ def train(job: Job, applied: dict | None = None) -> int:
         mon = Monitor(interval=0.2, gpu=cuda).start()
         system = build_measured(job, pdir, result, log)
         sync = torch.cuda.synchronize if cuda else (lambda: None)
-        total = job.warmup_steps + job.steps
+        total, settle = job.warmup_steps + job.steps, 0
+        choosing = getattr(system, "choosing", None)  # MegaTrain: still tuning itself (speculation, split)
         vocab = job.spec["vocab_size"]
         if job.data == "text":  # real text, byte-level token ids (< 256 <= every preset's vocabulary)
             from megatrain.data import stdlib_text_bytes, text_batch
@@ -268,9 +270,21 @@ def train(job: Job, applied: dict | None = None) -> int:
             make_batch = lambda step: synthetic_batch(vocab, job.batch_size, job.seq_len, job.seed, step=step)  # noqa: E731
         with open(pdir / "metrics.jsonl", "a") as mf, \
                 tqdm(total=total, desc="steps", file=sys.stderr, mininterval=5, dynamic_ncols=False) as bar:
-            for i in range(total):
+            i = 0
+            while i < total:
+                # Warm-up: the first warmup_steps, then (at most settle_steps more) while the system says it is
+                # still choosing how to run (a trial step of its runtime split is not its steady speed). One
+                # process only: ranks that decided apart would run different numbers of steps.
+                warm = i < job.warmup_steps
+                why = choosing() if (choosing is not None and not warm and i == total - job.steps
+                                     and settle < job.settle_steps and _world() == 1) else ""
+                if why:
+                    warm, settle, total = True, settle + 1, total + 1
+                    bar.total = total
+                    bar.write(f"[point] step {i}: warm-up extended ({settle} of at most {job.settle_steps}): {why}",
+                              file=sys.stderr)
                 # data parallel: rank r's batch of step i is its own (batch_size rows per GPU)
-                rec = timed_step(system, make_batch(i * _world() + _rank()), i, job, mon, sync)
+                rec = timed_step(system, make_batch(i * _world() + _rank()), i, job, mon, sync, warm)
                 if cuda:
                     rec["gpu_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
                 phases = getattr(system, "phase_times", None)  # optional: where the step's time went
@@ -281,6 +295,7 @@ def train(job: Job, applied: dict | None = None) -> int:
                 records.append(rec)
                 bar.update(1)
                 bar.write(progress_line(i, rec, job), file=sys.stderr)
+                i += 1
         record_memory(system, result, cuda)
         result["status"] = "ok"
     except BaseException as e:  # noqa: BLE001 - every failure becomes a row
@@ -325,15 +340,16 @@ def build_measured(job: Job, pdir: Path, result: dict, log, tag: str = "point"):
     return system
 
 
-def timed_step(system, batch, i: int, job: Job, mon, sync) -> dict:
+def timed_step(system, batch, i: int, job: Job, mon, sync, warm: bool | None = None) -> dict:
     """Step ``i`` on ``batch``, timed between two ``sync()`` calls (CUDA synchronisations: the step's GPU work
-    is inside the bracket, nothing queued before it), as its ``metrics.jsonl`` record."""
+    is inside the bracket, nothing queued before it), as its ``metrics.jsonl`` record (``warm``: a warm-up
+    step, excluded from the statistics; None: one of the first ``warmup_steps``)."""
     sync()
     t = time.perf_counter()
     r = system.step(batch)
     sync()
     dt = time.perf_counter() - t
-    return {"step": i, "warmup": i < job.warmup_steps, "loss": _finite(r.loss), "step_time_s": dt,
+    return {"step": i, "warmup": (i < job.warmup_steps) if warm is None else warm, "loss": _finite(r.loss), "step_time_s": dt,
             "system_step_time_s": _finite(getattr(r, "step_time_s", None)),
             "lr": _finite(getattr(r, "lr", None)), "grad_norm": _finite(getattr(r, "grad_norm", None)),
             "tokens": getattr(r, "tokens", None), "host_rss_gib": mon.last_rss / GIB, "time": time.time()}

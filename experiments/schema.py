@@ -100,7 +100,8 @@ class Row:
                                  "capped; compute is the real GPU's)")
     gpu_mem_cap_gib: float | None = _col("GPU memory cap of the emulated profile (GiB), empty when not capped")
     steps: int | None = _col("timed steps asked for")
-    warmup_steps: int | None = _col("warmup steps run before the timed ones (excluded from the statistics)")
+    warmup_steps: int | None = _col("warm-up steps run before the timed ones (excluded from the statistics): "
+                                    "warmup_steps, plus at most settle_steps while the system was still choosing")
     step_time_median_s: float | None = _col("median wall time of the timed steps (synchronised)")
     step_time_mean_s: float | None = _col("mean wall time of the timed steps")
     tokens_per_s: float | None = _col("T / median step time")

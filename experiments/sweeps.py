@@ -71,6 +71,7 @@ class Job:
     optim: OptimConfig = field(default_factory=OptimConfig)
     steps: int = 5
     warmup_steps: int = 2
+    settle_steps: int = 0  # more warm-up steps, at most, while the system is still choosing (RunConfig)
     seed: int = 0
     data: str = "synthetic"  # "synthetic" | "text" (RunConfig.data)
     device: str = "cpu"
@@ -350,7 +351,8 @@ def expand(cfg, load_option: Callable[[str, str], Any], *, device: str, gpu_name
     optim = OptimConfig(**{**_container(cfg.optim), "betas": tuple(cfg.optim.betas)})
     if str(cfg.data) not in ("synthetic", "text"):
         raise SweepError(f"data={cfg.data}: valid: synthetic, text")
-    common = dict(optim=optim, steps=int(cfg.steps), warmup_steps=int(cfg.warmup_steps), seed=int(cfg.seed),
+    common = dict(optim=optim, steps=int(cfg.steps), warmup_steps=int(cfg.warmup_steps),
+                  settle_steps=int(cfg.settle_steps), seed=int(cfg.seed),
                   data=str(cfg.data),
                   device=device, dtype=str(cfg.dtype), torch_threads=cfg.torch_threads, gpus=int(cfg.gpus))
     # the engine fields every system shares (EngineConfig's run-level ones; the optimizer per variant)
@@ -572,6 +574,8 @@ def invalid_reason(job: Job) -> str | None:
         return f"steps={job.steps}: at least 1 measured step is needed"
     if job.warmup_steps < 0:
         return f"warmup_steps={job.warmup_steps} must be >= 0"
+    if job.settle_steps < 0:
+        return f"settle_steps={job.settle_steps} must be >= 0"
     positions = int(job.spec.get("max_position_embeddings") or 0)
     if positions and job.seq_len > positions:
         return (f"seq_len {job.seq_len} > the model's {positions} positions ({job.model}); "

@@ -645,6 +645,12 @@ class MegaTrain:
             self.dist.barrier("weights exported")
         return written
 
+    def choosing(self) -> str:
+        """Why the next steps are still tuning themselves ("" when they are not): speculate="auto" measuring
+        both modes, or the host tier's runtime split running or timing a trial. Training is exact either way;
+        only the step time moves. A benchmark's warm-up waits for it (experiments' ``settle_steps``)."""
+        return self.optimizer.choosing()
+
     def memory(self) -> MemoryStats:
         self._sample_rss()
         plan = self.placement

@@ -74,6 +74,10 @@ class HybridHostAdamW:
     def rollbacks(self) -> int:
         return self.cpu.rollbacks
 
+    def choosing(self) -> str:
+        """Why the runtime split is still being chosen ("" when it is not, or when nothing is chosen)."""
+        return self.chooser.choosing() if self.chooser is not None else ""
+
     def counters(self) -> dict[str, float]:
         busy, wait = self.gpu.settle() if self.gpu is not None else (0.0, 0.0)
         return dict(cpu_groups=self.cpu_groups, gpu_path_groups=self.gpu_path_groups, gpu_path_busy_s=busy,

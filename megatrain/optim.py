@@ -250,6 +250,14 @@ class SpeculationPolicy:
         stats["speculation_decision"] = float(self.chooser.last_decision)
         stats["speculation_next"] = float(self.chooser.mode)
 
+    def choosing(self) -> str:
+        """Why speculate="auto" is still choosing ("" when it is not): undecided while the next step may
+        speculate (the precondition holds). While clipping fires nothing can be measured: not choosing."""
+        if self.chooser is None or self.chooser.decided:
+            return ""
+        possible = self.max_norm is None or self.max_norm <= 0 or self.prev_clipped is False
+        return f"speculation: {SPEC_DECISIONS[self.chooser.last_decision]}" if possible else ""
+
     def describe(self) -> str:
         """One line for the summary: the mode, the measured step times and the decision with its reason."""
         if self.chooser is None:
@@ -280,6 +288,15 @@ class Optimizers:
         """After a step, with its phases (``step_s``): the speculation chooser's measurement and decision
         (``SpeculationPolicy.observe_step``), written into ``stats``."""
         self.policy.observe_step(stats)
+
+    def choosing(self) -> str:
+        """Why the steps are still tuning themselves ("" when they are not): the speculation chooser, then each
+        tier's own (``choosing`` where an implementation has one: the host tier's runtime split)."""
+        for source in (self.policy, *self.impls):
+            why = getattr(source, "choosing", lambda: "")()
+            if why:
+                return why
+        return ""
 
     def finish(self, step: int, grad_norm: float) -> float | None:
         """Apply the step's update everywhere; returns the clip coefficient, None if the step is skipped."""

@@ -297,7 +297,8 @@ class SplitChooser:
           from time to time on the H100 hosts) must not rule out a path for the rest of the run;
        c. the model's proposal (planned at rates calibrated on the splits that ran), once, when it differs from
           every measured split and the model, at those same rates, predicts it faster than the fastest
-          measured split by more than ``margin`` of that split's step time (at most ``trials`` of them).
+          measured split by more than ``margin`` of that split's step time (at most ``trials`` of them), and
+          no measured split between the fastest and it lost (``beyond_a_loss``).
     3. Otherwise the fastest measured split (median of its last ``window`` times), but the current one stays
        while it is within ``margin`` of that (hysteresis: noise does not move the split back and forth).
 
@@ -372,7 +373,7 @@ class SplitChooser:
                         f"within {self.doubt:.0%} of {len(self.splits[best].gpu)} at {t_best:.3f} s")
             gain = predict(self.splits[best]) - predict(proposal)
             if (proposal.key not in self.measured and self.trials > 0
-                    and gain > self.margin * t_best):
+                    and gain > self.margin * t_best and self.beyond_a_loss(proposal, best) is None):
                 # (2c) The model, calibrated on what ran, predicts a clear gain over the fastest measured split.
                 self.trials -= 1
                 return TRY_PROPOSAL, proposal, (f"{len(proposal.gpu)} GPU-path groups predicted {gain:.3f} s "
@@ -388,6 +389,36 @@ class SplitChooser:
         was = f"{self.time(current.key):.3f} s" if current.key in self.measured else "not measured yet"
         return SWITCH_FASTER, self.splits[best], (f"{len(self.splits[best].gpu)} GPU-path groups "
                                                   f"{t_best:.3f} s vs {len(current.gpu)} {was}")
+
+    def beyond_a_loss(self, proposal: Split, best: tuple) -> tuple | None:
+        """A measured split that lost to the fastest ``best`` by more than ``margin`` and lies between it and
+        ``proposal`` in GPU-path groups (its count on the proposal's side of best's, up to the proposal's own),
+        or None. The step time over the number of GPU-path groups has one minimum (the CPU path shrinks as the
+        GPU path grows), so a proposal past a clear loss is slower still: it is not tried, whatever the model
+        predicts (a loss within the margin is a tie, no evidence of a slope). (H100,
+        Qwen2.5-7B streaming, bf16 link, clipping firing: CPU alone 3.14-3.32 s a step, 13 GPU-path groups 3.22-
+        3.36, then the calibrated model proposed 18, 22 and 24, measured 3.52, 3.58 and 3.69 s, one trial step
+        each inside the timed window.)"""
+        g_best, g_new = len(best), len(proposal.gpu)
+        t_best = self.time(best)
+        for key in self.measured:
+            g = len(key)
+            if (key != best and (g_best < g <= g_new or g_new <= g < g_best)
+                    and self.time(key) > t_best * (1 + self.margin)):
+                return key
+        return None
+
+    def choosing(self) -> str:
+        """Why the split is still being chosen ("" when it is not): the next step runs a trial, or a split's
+        time is still to come. A benchmark's warm-up can wait for this (experiments' ``settle_steps``); a
+        later proposal (rule 2c, at most ``trials``) can still start a trial."""
+        if self.pending and not self.measured:
+            return "runtime split: no step time measured yet"
+        if any(k not in self.measured for k in self.pending):
+            return "runtime split: a trial's step time is still to come"
+        if self.last_decision in (TRY_CPU_ONLY, TRY_PROPOSAL, RETRY_CLOSE):
+            return f"runtime split: the next step is a trial ({DECISIONS[self.last_decision]})"
+        return ""
 
     def describe(self) -> str:
         """The measured splits and the changes, for the summary line."""

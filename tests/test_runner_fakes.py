@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 
 BEHAVIORS = ("ok", "crash", "gpu_oom", "host_oom", "sigkill", "hang")
-EXTRA_BEHAVIORS = ("hang_late",)  # configs written, but not in the default _test sweep: hangs at its 5th step
+# configs written, but not in the default _test sweep: "hang_late" hangs at its 5th step; "settle" says it is
+# still choosing how to run (``choosing``) until it has run 4 steps
+EXTRA_BEHAVIORS = ("hang_late", "settle")
 
 
 class OutOfMemory(RuntimeError):
@@ -52,6 +54,9 @@ class FakeSystem:
         time.sleep(0.01)
         ids = batch["input_ids"]
         return StepResult(loss=5.0 - 0.1 * self.steps, tokens=int(ids.numel()), step_time_s=0.01)
+
+    def choosing(self) -> str:
+        return "fake: measuring a trial" if self.behavior == "settle" and self.steps < 4 else ""
 
     def memory(self):
         from megatrain.system import MemoryStats

@@ -221,6 +221,23 @@ def test_a_point_that_times_out_late_keeps_the_steps_it_finished(tmp_path, cache
     assert status == {r["point"]: "partial"} and "partial" not in schema.DONE_STATUSES
 
 
+def test_warmup_goes_on_while_the_system_is_still_choosing_up_to_settle_steps(tmp_path, cache, test_conf):
+    """A system still choosing how to run (its ``choosing()`` says why) gets more warm-up steps, at most
+    settle_steps: the fake says so until it has run 4 steps, the cap of 2 stops it after 3 warm-up steps; the
+    timed steps are then the 2 asked for, and the row counts the warm-up steps that ran."""
+    results = tmp_path / "results"
+    proc = run_runner("sweep=_test", f"hydra.searchpath=[file://{test_conf}]", f"results_dir={results}",
+                      f"cache_dir={cache}", "sweep.systems=[_test_settle]", "steps=2", "warmup_steps=1",
+                      "settle_steps=2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (r,) = [r for _, r in schema.read_results(results / "_test" / "results.csv").iterrows()]
+    assert r["status"] == "ok" and r["timed_steps"] == 2 and r["warmup_steps"] == 3, dict(r)
+    recs = [json.loads(x) for x in (results / "_test" / r["point"] / "metrics.jsonl").read_text().splitlines()]
+    assert [x["warmup"] for x in recs] == [True, True, True, False, False]
+    log = (results / "_test" / r["point"] / "log.txt").read_text()
+    assert "warm-up extended (2 of at most 2): fake: measuring a trial" in log, log
+
+
 def test_a_killed_runner_takes_its_point_process_with_it(tmp_path, cache, test_conf):
     import os
     import signal

@@ -254,3 +254,63 @@ def test_the_hedge_lets_the_runtime_move_more_groups_than_the_probe_planned():
         chooser.record(split.key, step_s)
     chosen = chooser.choose(3, cpu_only, proposal, lambda sp: evaluate(sp.gpu, frozenset()).predicted_s)
     assert chooser.last_decision == TRY_PROPOSAL and chosen.key == proposal.key
+
+
+def _count_split(g: int) -> Split:
+    return Split(NAMES[:g], NAMES[g:])
+
+
+def _drive(chooser: SplitChooser, first: Split, draws: dict, proposal: Split, predicts: dict, steps: int):
+    """As ``_run_noisy`` with a fixed proposal and predictions by GPU-path group count; returns the splits used
+    and ``choosing()`` after each decision."""
+    used, current, seen, why = [], first, {}, []
+    for s in range(steps):
+        used.append(current)
+        chooser.ran(current)
+        if s >= 1:
+            g = len(used[s - 1].gpu)
+            k = seen[g] = seen.get(g, -1) + 1
+            chooser.record(used[s - 1].key, draws[g][min(k, len(draws[g]) - 1)])
+        current = chooser.choose(s, current, proposal, lambda sp: predicts[len(sp.gpu)])
+        why.append(chooser.choosing())
+    return used, why
+
+
+def test_a_proposal_past_a_clear_loss_is_not_tried():
+    """H100 node, this session's run at 86bb81e (Qwen2.5-7B streaming 8x1024, bf16 over the link, clipping
+    firing): 13 GPU-path groups 3.363 / 3.217 / 3.301 s a step, the CPU path alone 3.194 / 3.138 / 3.321; the
+    model, calibrated, proposed 18 groups (then 22, 24): measured 3.515 s and slower. 13 lost to 0 by 3 %
+    (beyond the 2 % margin): a proposal with more groups than 13 is past that loss and is not tried."""
+    draws = {13: [3.363, 3.217, 3.301], 0: [3.194, 3.138, 3.321, 3.194], 18: [3.515]}
+    predicts = {13: 2.3, 0: 2.5, 18: 1.9}  # the calibrated model: 18 groups well faster than either
+    chooser = SplitChooser(NAMES)
+    used, why = _drive(chooser, _count_split(13), draws, _count_split(18), predicts, steps=8)
+    assert [len(u.gpu) for u in used] == [13, 13, 0, 13, 0, 0, 0, 0]
+    assert chooser.trials == 3 and chooser.last_decision == KEEP_FASTEST
+    assert chooser.beyond_a_loss(_count_split(18), _count_split(0).key) == _count_split(13).key
+    assert chooser.beyond_a_loss(_count_split(18), _count_split(13).key) is None  # not past a loss of 13's
+    # settled once the CPU path alone is measured and nothing is on trial; until then it says why not
+    assert why[0] == "runtime split: no step time measured yet"
+    assert why[1].startswith("runtime split: the next step is a trial (measuring the CPU path alone once)")
+    assert why[2] == "runtime split: a trial's step time is still to come"
+    assert why[-4:] == [""] * 4
+    # A loss within the margin is a tie, not a slope: 13 at 3.200 s against 3.194, and the proposal is tried.
+    chooser = SplitChooser(NAMES)
+    used, why = _drive(chooser, _count_split(13), {**draws, 13: [3.200]}, _count_split(18), predicts, steps=8)
+    assert 18 in [len(u.gpu) for u in used] and chooser.trials == 2
+    assert any(w.startswith("runtime split: the next step is a trial (trying the model's proposal") for w in why)
+
+
+def test_speculation_says_it_is_choosing_only_while_it_can_measure():
+    from megatrain.optim import SpeculationPolicy
+
+    policy = SpeculationPolicy("auto", 1.0)
+    assert policy.choosing() == ""  # the first step cannot speculate (its norm is unknown)
+    policy.observe(0.5)  # not clipped: the next step may speculate, and the chooser has not decided
+    assert policy.choosing().startswith("speculation: speculating: measuring it")
+    policy.observe(3.0)  # clipped: nothing to measure while clipping fires
+    assert policy.choosing() == ""
+    policy.chooser.decided = True
+    policy.observe(0.5)
+    assert policy.choosing() == ""
+    assert SpeculationPolicy("never", 1.0).choosing() == "" and SpeculationPolicy("always", None).choosing() == ""
