@@ -30,6 +30,7 @@ BLOCK = 4096  # elements per block: the unit of deferral (kBlock in adamw.cpp); 
 FRAGILE = 64.0  # v_new > FRAGILE * v_old: the undo could not restore v closely (kFragile in adamw.cpp)
 SAVE_FRACTION = 0.01  # at most this fraction of a chunk's elements saved by a speculative update (12 B each)
 SAVE_MIN = BLOCK  # ... or this many, for small chunks
+_NO_SHADOW = torch.empty(0, dtype=torch.bfloat16)  # adamw_step's "no bf16 shadow to write"
 _EXT = None
 _TRIED = False
 
@@ -89,9 +90,12 @@ class HostKernel:
         cfg = self.cfg
         return lr, cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay, float(step_t), self.threads
 
-    def step(self, p, g, m, v, step_t: torch.Tensor, lr: float, coef: float, speculative: bool = False) -> None:
+    def step(self, p, g, m, v, step_t: torch.Tensor, lr: float, coef: float, speculative: bool = False,
+             shadow: torch.Tensor | None = None) -> bool:
         """Update with clip coefficient ``coef``; ``speculative`` (coefficient 1 only): to be resolved by
-        ``undo`` or ``commit`` once the true coefficient is known."""
+        ``undo`` or ``commit`` once the true coefficient is known. ``shadow``: p's bf16 copy, written in the
+        same pass as p (its bits those of ``shadow.copy_(p)``); returns whether it was (a speculative update
+        leaves it to the caller: its blocks may still change)."""
         if speculative:
             assert coef == 1.0, "a speculative update uses coefficient 1"
             flags = torch.zeros(-(-p.numel() // BLOCK), dtype=torch.uint8)
@@ -106,12 +110,12 @@ class HostKernel:
                 self._pending[key] = (flags if count else None, idx, saved)
                 self.deferred_blocks += int(count)
                 self.saved_elements += idx.numel()
-            return
+            return False
         if self.ext is not None:
             cfg = self.cfg
             self.ext.adamw_step(p, g, m, v, coef, lr, cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay,
-                                float(step_t), self.threads)
-            return
+                                float(step_t), self.threads, _NO_SHADOW if shadow is None else shadow)
+            return shadow is not None
         scale = None if coef == 1.0 else torch.tensor(1.0 / coef, dtype=torch.float32)
         for s in range(0, g.numel(), SUB):
             gs = g[s:s + SUB]
@@ -120,6 +124,9 @@ class HostKernel:
             if gs.dtype != torch.float32 or scale is not None:
                 gs = self._g32[:gs.numel()].copy_(gs)
             adamw_(p[s:s + SUB], gs, m[s:s + SUB], v[s:s + SUB], step_t, lr, self.cfg, scale)
+            if shadow is not None:  # while the sub-chunk is in cache
+                shadow[s:s + SUB].copy_(p[s:s + SUB])
+        return shadow is not None
 
     def undo(self, p, g, m, v, step_t: torch.Tensor, lr: float, redo_coef: float | None) -> None:
         """Undo a speculative update (step count ``step_t`` after its increment); then, unless ``redo_coef``

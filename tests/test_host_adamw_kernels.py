@@ -51,6 +51,35 @@ def test_kernel_matches_torch_fused_adamw(kernel, gdtype, coef):
     assert not torch.equal(p, state()[0])  # it did update
 
 
+def test_the_bf16_shadow_written_in_the_update_pass_is_torchs_copy_bit_for_bit(kernel):
+    """stream_dtype=bf16: the kernel writes p's bf16 shadow block by block as it updates p (no second pass over
+    the master); its bits are those of ``shadow.copy_(p)`` (round to nearest, ties to even; NaN, inf, tiny and
+    tie values included), a size not a multiple of the block included. A speculative update leaves it alone."""
+    p, m, v, g = state(n=3 * cpu_adamw.BLOCK + 123)
+    shadow = torch.zeros(p.numel(), dtype=torch.bfloat16)
+    direct = [t.clone() for t in (p, m, v)]
+    assert kernel.step(p, g, m, v, torch.tensor(3.0), 1e-3, 0.5, shadow=shadow) is True
+    kernel.step(direct[0], g, direct[1], direct[2], torch.tensor(3.0), 1e-3, 0.5)
+    assert torch.equal(p, direct[0])  # the shadow changes nothing else
+    assert torch.equal(shadow.view(torch.int16), p.to(torch.bfloat16).view(torch.int16))
+    # the rounding edge cases, through a zero update (lr 0, no decay: p stays as set)
+    kernel_zero = dataclasses.replace(kernel.cfg, weight_decay=0.0)
+    kernel.cfg = kernel_zero
+    odd = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, 3.0e38,
+                        # ties: 1 + 2^-8 (even below), 1 + 3 * 2^-8 (odd below: rounds up), just above a tie
+                        1.00390625, 1.01171875, 1.0039063], dtype=torch.float32)
+    q = torch.cat([odd, torch.randn(5000)])
+    sq = torch.zeros(q.numel(), dtype=torch.bfloat16)
+    zeros = [torch.zeros_like(q) for _ in range(2)]
+    kernel.step(q, torch.zeros_like(q), *zeros, torch.tensor(1.0), 0.0, 1.0, shadow=sq)
+    expect = q.to(torch.bfloat16)
+    assert torch.equal(sq.view(torch.int16)[1:], expect.view(torch.int16)[1:]) and torch.isnan(sq[0])
+    untouched = torch.zeros(p.numel(), dtype=torch.bfloat16)
+    assert kernel.step(p, g, m, v, torch.tensor(4.0), 1e-3, 1.0, speculative=True, shadow=untouched) is False
+    assert not untouched.any()
+    kernel.commit(p, g, m, v, torch.tensor(4.0), 1e-3)
+
+
 @pytest.mark.parametrize("step", [1.0, 3.0])
 def test_undo_restores_the_state_and_redo_equals_a_direct_update(kernel, step):
     p0, m0, v0, g = state(seed=1)

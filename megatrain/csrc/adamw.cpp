@@ -1,5 +1,6 @@
 // One-pass host AdamW: reads p, m, v (fp32) and the gradient (bf16 or fp32) once, writes p, m, v once
-// (26 B/param with a bf16 gradient), multithreaded with OpenMP, in blocks of 4096 elements that stay in cache.
+// (26 B/param with a bf16 gradient; 28 with p's bf16 shadow written in the same pass), multithreaded with
+// OpenMP, in blocks of 4096 elements that stay in cache.
 //
 // Arithmetic: torch's fused CPU AdamW (aten/src/ATen/native/cpu/FusedAdamKernel.cpp), operation by operation:
 // constants computed in double and rounded once to float; p *= 1 - lr*wd; m = fma(1-b1, g - m, m) (torch's
@@ -195,6 +196,27 @@ struct Views {
   int64_t blocks() const { return (n + kBlock - 1) / kBlock; }
 };
 
+// The bf16 shadow of p (the weights that cross the link as bf16), or nullptr when ``shadow`` is empty.
+uint16_t* shadow_of(const torch::Tensor& shadow, int64_t n) {
+  if (shadow.numel() == 0) return nullptr;
+  TORCH_CHECK(shadow.scalar_type() == torch::kBFloat16 && shadow.is_contiguous() && shadow.numel() == n,
+              "shadow: a contiguous bf16 tensor of p's size");
+  return reinterpret_cast<uint16_t*>(shadow.data_ptr<at::BFloat16>());
+}
+
+// fp32 -> bf16 as torch's Tensor.copy_ rounds (c10::round_to_nearest_even): NaN -> 0x7FC0, else round to
+// nearest, ties to even. Written over a block just updated, while it is still in cache: the shadow costs its
+// 2 B/param of writes, not a second pass that reads the master back from memory.
+inline void block_shadow(const float* __restrict p, uint16_t* __restrict out, int64_t len) {
+#pragma omp simd
+  for (int64_t i = 0; i < len; ++i) {
+    uint32_t u;
+    std::memcpy(&u, p + i, sizeof(u));
+    const uint16_t r = (uint16_t)((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
+    out[i] = std::isnan(p[i]) ? (uint16_t)0x7FC0 : r;
+  }
+}
+
 uint8_t* flags_of(const torch::Tensor& deferred, int64_t nblocks) {
   if (deferred.numel() == 0) return nullptr;
   TORCH_CHECK(deferred.scalar_type() == torch::kUInt8 && deferred.is_contiguous() && deferred.numel() == nblocks,
@@ -206,19 +228,22 @@ int nthreads(int64_t threads) { return threads > 0 ? (int)threads : omp_get_max_
 
 }  // namespace
 
+// ``shadow`` (empty: none): p's bf16 copy, written block by block as p is updated.
 void adamw_step(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v, double coef, double lr,
-                double b1, double b2, double eps, double wd, double step, int64_t threads) {
+                double b1, double b2, double eps, double wd, double step, int64_t threads, torch::Tensor shadow) {
   Views t(p, g, m, v);
   const Grad grad(g);
   const Consts c(lr, b1, b2, eps, wd, step);
   const float cf = (float)coef;
   const int64_t nb = t.blocks();
+  uint16_t* const S = shadow_of(shadow, t.n);
 #pragma omp parallel for schedule(static) num_threads(nthreads(threads))
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t lo = b * kBlock, len = std::min(kBlock, t.n - lo);
     float gbuf[kBlock];
     grad.load(gbuf, lo, len);
     block_step(t.P + lo, t.M + lo, t.V + lo, gbuf, len, cf, c);
+    if (S != nullptr) block_shadow(t.P + lo, S + lo, len);
   }
 }
 
@@ -344,7 +369,8 @@ void adamw_resolve(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Ten
 // until each chunk's update returned, and the next forward would advance at the optimizer's pace.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.attr("BLOCK") = kBlock;
-  mod.def("adamw_step", &adamw_step, "one-pass fp32 AdamW with a bf16/fp32 gradient (OpenMP)",
+  mod.def("adamw_step", &adamw_step, "one-pass fp32 AdamW with a bf16/fp32 gradient (OpenMP), optionally "
+          "writing p's bf16 shadow (an empty tensor: none)",
           py::call_guard<py::gil_scoped_release>());
   mod.def("adamw_speculate", &adamw_speculate, "coefficient-1 AdamW that defers the blocks it could not undo",
           py::call_guard<py::gil_scoped_release>());
