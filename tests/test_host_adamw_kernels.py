@@ -255,3 +255,25 @@ def test_an_update_lets_the_main_thread_run_python_meanwhile(kernel):
     assert duration > 0.005, "the update was too short to tell"
     assert longest < 0.25 * duration, (f"the main thread stood still for {longest * 1e3:.1f} ms of a "
                                        f"{duration * 1e3:.1f} ms update (the GIL was held)")
+
+
+def test_the_shadow_bench_times_three_ways_and_refuses_to_measure_nothing(tmp_path, monkeypatch):
+    """scripts/bench_host_shadow.py (the device's measurement of the fused shadow): one JSON line per way, each
+    a positive time; on a machine whose kernel is the torch fallback it measures nothing and exits 1."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_host_shadow.py"
+    spec = importlib.util.spec_from_file_location("bench_host_shadow", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "shadow.jsonl"
+    monkeypatch.setenv("MEGATRAIN_HOST_ADAMW", "torch")
+    assert bench.main(["--params", "20000", "--runs", "1", "--out", str(out)]) == 1 and not out.exists()
+    assert bench.main(["--params", "20000", "--runs", "1", "--chunk", "5000", "--allow-fallback",
+                       "--out", str(out)]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["way"] for r in rows] == ["update_only", "fused", "second_pass"]
+    assert all(r["median_s"] > 0 and r["params"] == 20000 for r in rows) and rows[0]["vs_update_only"] == 1.0
+    assert bench.main(["--params", "0"]) == 2
