@@ -187,10 +187,11 @@ def test_parity_while_the_chooser_switches_speculation(path):
 
     engine.optimizer.observe_step = injected
     init = {k: v.clone() for k, v in engine.state_dict().items()}
-    losses, seen = [], []
+    losses, seen, choosing = [], [], []
     for b in data:
         losses.append(engine.step(b).loss)
         seen.append(dict(engine.stats))
+        choosing.append(engine.choosing())
     final = {k: v.clone() for k, v in engine.state_dict().items()}
     summary = engine.memory().extra["speculation_summary"]
     engine.close()
@@ -203,3 +204,8 @@ def test_parity_while_the_chooser_switches_speculation(path):
     assert [s["speculation_decision"] for s in seen[3:7]] == [SPEC_MEASURING_ON, SPEC_MEASURING_OFF,
                                                              SPEC_MEASURING_OFF, SPEC_KEPT_FASTER]
     assert "kept speculating: measured faster" in summary
+    # MegaTrain.choosing() (the runner's settle_steps wait on it): nothing while clipping fires (steps 0-2: the
+    # next step cannot speculate), the chooser's state while it measures (after steps 3-5), "" once decided
+    assert choosing[:3] == [""] * 3 and choosing[6:] == [""] * 6, choosing
+    assert choosing[3] == "speculation: speculating: measuring it"
+    assert choosing[4] == choosing[5] == "speculation: measuring steps without speculation"

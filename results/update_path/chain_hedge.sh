@@ -27,7 +27,9 @@ P3='megatrain__qwen2.5-3b__*__b16__streaming_cpu_pinned__*,megatrain__qwen2.5-3b
 THIRD=qwen2.5-14b; PT=$P14
 if [ "${mem:-0}" -lt 100000 ]; then THIRD=qwen2.5-3b; PT=$P3; say "GPU memory ${mem} MiB: the 3B pair in place of 14B"; fi
 new() { python3 -m experiments.run sweep=update_path results_dir=$R post=false "$@" >> "$OUT/hedge$K.log" 2>&1; say "runner exit $?"; snap; }
-STEPS='steps=4 warmup_steps=6'
+# settle_steps (since e5218b0): warm-up goes on while the engine is still choosing (at most 6 more steps; ~4.7 s
+# each at 14B), so the 14B points' limit is 160 s and the 7B ones' 150.
+STEPS='steps=4 warmup_steps=6 settle_steps=6'
 case $K in
   1)
     build_kernels
@@ -37,20 +39,20 @@ case $K in
     end=${END_S:-560}  # seconds into the call by which runners stop starting points (less device time left: less)
     say "clipping fires: 7B bf16 link pair, 7B fp32 link pair, $THIRD pair (end ${end} s)"
     if [ "$end" -ge 500 ]; then
-      new $STEPS timeout_s=130 'sweep.models=[qwen2.5-7b]' "only=[$P7B]" time_budget_s=$(budget $((end - 300)))
-      new $STEPS timeout_s=130 'sweep.models=[qwen2.5-7b]' "only=[$P7]" time_budget_s=$(budget $((end - 160)))
-      new $STEPS timeout_s=130 "sweep.models=[$THIRD]" "only=[$PT]" time_budget_s=$(budget $end)
+      new $STEPS timeout_s=150 'sweep.models=[qwen2.5-7b]' "only=[$P7B]" time_budget_s=$(budget $((end - 300)))
+      new $STEPS timeout_s=150 'sweep.models=[qwen2.5-7b]' "only=[$P7]" time_budget_s=$(budget $((end - 160)))
+      new $STEPS timeout_s=160 "sweep.models=[$THIRD]" "only=[$PT]" time_budget_s=$(budget $end)
     else  # a short call: the two 7B pairs only
-      new $STEPS timeout_s=130 'sweep.models=[qwen2.5-7b]' "only=[$P7B]" time_budget_s=$(budget $((end - 140)))
-      new $STEPS timeout_s=130 'sweep.models=[qwen2.5-7b]' "only=[$P7]" time_budget_s=$(budget $end)
+      new $STEPS timeout_s=150 'sweep.models=[qwen2.5-7b]' "only=[$P7B]" time_budget_s=$(budget $((end - 140)))
+      new $STEPS timeout_s=150 'sweep.models=[qwen2.5-7b]' "only=[$P7]" time_budget_s=$(budget $end)
     fi
     ;;
   2)
     build_kernels  # cached on a warm machine
     NC='sweep.name=update_path_noclip optim.max_grad_norm=1e9'
     say "no clipping: 7B fp32 link pair, $THIRD pair"
-    new $NC $STEPS timeout_s=130 'sweep.models=[qwen2.5-7b]' "only=[$P7]" time_budget_s=$(budget 200)
-    new $NC $STEPS timeout_s=130 "sweep.models=[$THIRD]" "only=[$PT]" time_budget_s=$(budget 400)
+    new $NC $STEPS timeout_s=150 'sweep.models=[qwen2.5-7b]' "only=[$P7]" time_budget_s=$(budget 200)
+    new $NC $STEPS timeout_s=160 "sweep.models=[$THIRD]" "only=[$PT]" time_budget_s=$(budget 400)
     if [ "$THIRD" = qwen2.5-14b ]; then
       say "clipping fires: 3B pair"
       new $STEPS timeout_s=100 'sweep.models=[qwen2.5-3b]' "only=[$P3]" time_budget_s=$(budget 560)
@@ -60,7 +62,7 @@ case $K in
     build_kernels
     # HYBRID_ONLY=1 (under ~3 minutes): the hybrid point alone; its chooser still measures the CPU path once
     [ -n "${HYBRID_ONLY:-}" ] && P7B='megatrain__qwen2.5-7b__*__b8__streaming_hybrid_bf16__*'
-    new $STEPS timeout_s=130 'sweep.models=[qwen2.5-7b]' "only=[$P7B]" time_budget_s=$(budget ${END_S:-200})
+    new $STEPS timeout_s=150 'sweep.models=[qwen2.5-7b]' "only=[$P7B]" time_budget_s=$(budget ${END_S:-200})
     ;;
   *) say "K must be 1, 2 or 3"; exit 2 ;;
 esac
