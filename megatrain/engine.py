@@ -208,7 +208,7 @@ class MegaTrain:
             return rates.update
         if self.device.type == "cuda":
             threads = max(1, torch.get_num_threads() - 1)  # as HostAdamW runs it (one core left to this thread)
-            return measure_rates(self.device, HostKernel(cfg.optim, threads))
+            return measure_rates(self.device, HostKernel(cfg.optim, threads), shadow=cfg.stream_dtype == "bf16")
         return (rates or cost_model.Rates()).update_rates()
 
     def _plan(self, tokens_per_step, seq_len, tiers, keep, rates) -> placement.Placement:

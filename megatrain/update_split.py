@@ -429,14 +429,16 @@ class SplitChooser:
         return f"measured step times: {times or 'none yet'}; changes: {changes or 'none'}"
 
 
-def measure_rates(device, kernel, numel: int = 1 << 27, copy_bytes: int = 256 << 20, runs: int = 7) -> UpdateRates:
+def measure_rates(device, kernel, numel: int = 1 << 27, copy_bytes: int = 256 << 20, runs: int = 7,
+                  shadow: bool = False) -> UpdateRates:
     """Measure the rates on this machine (CUDA only; one to two seconds): pinned copies each way with the other
     direction running, and ``kernel`` (a megatrain.cpu_adamw.HostKernel) on ``numel`` fp32 parameters with a
     bf16 gradient, alone and while those copies run; each CPU rate is the median of ``runs`` runs (a fastest
     run flattered the CPU: on the H100 node two processes minutes apart measured 5.97 and 3.70 Gparam/s as the
     best of five 15 ms runs, while the step's kernel ran at 3.6-4.0). 128M parameters (1.8 GB of p, m, v, g)
     make each run ~30-60 ms, long beside a thread pool's wake-up. Only loaded runs that ended while both copy
-    streams still ran count as loaded (the copies are queued to outlast them, and checked)."""
+    streams still ran count as loaded (the copies are queued to outlast them, and checked). ``shadow``
+    (stream_dtype="bf16"): the kernel also writes a bf16 shadow, as the CPU path's updates then do."""
     import torch
 
     from .pinning import pin_in_place, unpin
@@ -444,11 +446,12 @@ def measure_rates(device, kernel, numel: int = 1 << 27, copy_bytes: int = 256 <<
     rates = UpdateRates(measured=True)
     p, m, v = (torch.zeros(numel) for _ in range(3))
     g = torch.full((numel,), 1e-3, dtype=torch.bfloat16)
+    out = torch.empty(numel, dtype=torch.bfloat16) if shadow else None
     step_t = torch.ones(())
 
     def cpu_run() -> float:
         t0 = time.perf_counter()
-        kernel.step(p, g, m, v, step_t, 1e-6, 1.0)
+        kernel.step(p, g, m, v, step_t, 1e-6, 1.0, shadow=out)
         return time.perf_counter() - t0
 
     cpu_run()  # warm-up (page faults, extension load)

@@ -150,3 +150,6 @@ def test_cuda_measure_rates_is_a_median_with_its_spread_and_loaded_runs_under_co
     assert 0 < rates.cpu_loaded_gps <= 1.5 * rates.cpu_gps
     assert 1.0 < rates.h2d_gbs < 100.0 and 1.0 < rates.d2h_gbs < 100.0
     assert rates.to_dict()["cpu_spread"] == rates.cpu_spread
+    # stream_dtype="bf16": the probe's kernel writes the shadow too, as the CPU path's updates then do
+    with_shadow = measure_rates(torch.device("cuda"), HostKernel(OPTIM, 0), numel=1 << 24, runs=5, shadow=True)
+    assert with_shadow.cpu_gps > 0 and 0 < with_shadow.cpu_loaded_gps <= 1.5 * with_shadow.cpu_gps
