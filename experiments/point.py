@@ -258,7 +258,6 @@ def train(job: Job, applied: dict | None = None) -> int:
         mon = Monitor(interval=0.2, gpu=cuda).start()
         system = build_measured(job, pdir, result, log)
         sync = torch.cuda.synchronize if cuda else (lambda: None)
-        total, settle = job.warmup_steps + job.steps, 0
         choosing = getattr(system, "choosing", None)  # MegaTrain: still tuning itself (speculation, split)
         vocab = job.spec["vocab_size"]
         if job.data == "text":  # real text, byte-level token ids (< 256 <= every preset's vocabulary)
@@ -269,18 +268,19 @@ def train(job: Job, applied: dict | None = None) -> int:
         else:
             make_batch = lambda step: synthetic_batch(vocab, job.batch_size, job.seq_len, job.seed, step=step)  # noqa: E731
         with open(pdir / "metrics.jsonl", "a") as mf, \
-                tqdm(total=total, desc="steps", file=sys.stderr, mininterval=5, dynamic_ncols=False) as bar:
-            i = 0
-            while i < total:
-                # Warm-up: the first warmup_steps, then (at most settle_steps more) while the system says it is
-                # still choosing how to run (a trial step of its runtime split is not its steady speed). One
-                # process only: ranks that decided apart would run different numbers of steps.
+                tqdm(total=job.warmup_steps + job.steps, desc="steps", file=sys.stderr, mininterval=5,
+                     dynamic_ncols=False) as bar:
+            i = timed = settle = 0
+            while timed < job.steps:
+                # Warm-up: the first warmup_steps, then, before any timed step, at most settle_steps more while
+                # the system says it is still choosing how to run (a trial step of its runtime split is not its
+                # steady speed). One process only: ranks that decided apart would run different step counts.
                 warm = i < job.warmup_steps
-                why = choosing() if (choosing is not None and not warm and i == total - job.steps
-                                     and settle < job.settle_steps and _world() == 1) else ""
+                can_settle = choosing is not None and not timed and settle < job.settle_steps and _world() == 1
+                why = choosing() if can_settle and not warm else ""
                 if why:
-                    warm, settle, total = True, settle + 1, total + 1
-                    bar.total = total
+                    warm, settle = True, settle + 1
+                    bar.total += 1
                     bar.write(f"[point] step {i}: warm-up extended ({settle} of at most {job.settle_steps}): {why}",
                               file=sys.stderr)
                 # data parallel: rank r's batch of step i is its own (batch_size rows per GPU)
@@ -295,6 +295,7 @@ def train(job: Job, applied: dict | None = None) -> int:
                 records.append(rec)
                 bar.update(1)
                 bar.write(progress_line(i, rec, job), file=sys.stderr)
+                timed += not warm
                 i += 1
         record_memory(system, result, cuda)
         result["status"] = "ok"

@@ -63,8 +63,7 @@ def test_the_bf16_shadow_written_in_the_update_pass_is_torchs_copy_bit_for_bit(k
     assert torch.equal(p, direct[0])  # the shadow changes nothing else
     assert torch.equal(shadow.view(torch.int16), p.to(torch.bfloat16).view(torch.int16))
     # the rounding edge cases, through a zero update (lr 0, no decay: p stays as set)
-    kernel_zero = dataclasses.replace(kernel.cfg, weight_decay=0.0)
-    kernel.cfg = kernel_zero
+    kernel.cfg = dataclasses.replace(kernel.cfg, weight_decay=0.0)
     odd = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, 3.0e38,
                         # ties: 1 + 2^-8 (even below), 1 + 3 * 2^-8 (odd below: rounds up), just above a tie
                         1.00390625, 1.01171875, 1.0039063], dtype=torch.float32)

@@ -72,10 +72,13 @@ def test_hybrid_measured_slower_goes_to_the_cpu_path_alone():
     assert "5.200" in chooser.history[-1][3]
 
 
-def _run_noisy(chooser: SplitChooser, first: Split, draws: dict, steps: int) -> list[Split]:
+def _run_noisy(chooser: SplitChooser, first: Split, draws: dict, steps: int, proposal: Split | None = None,
+               predict=None, why: list | None = None) -> list[Split]:
     """As ``_run``, but the k-th measurement of a split with g GPU-path groups is ``draws[g][k]`` (the last one
-    repeats): one slow step, then its usual time."""
-    predict = lambda sp: plan_split(ORDER, H200, assign=frozenset(sp.gpu), **KW).predicted_s  # noqa: E731
+    repeats): one slow step, then its usual time. ``proposal`` (default ``first``) and ``predict`` (default the
+    H200 model) as the chooser gets them; ``why`` collects ``choosing()`` after each decision."""
+    if predict is None:
+        predict = lambda sp: plan_split(ORDER, H200, assign=frozenset(sp.gpu), **KW).predicted_s  # noqa: E731
     used, current, seen = [], first, {}
     for s in range(steps):
         used.append(current)
@@ -84,7 +87,9 @@ def _run_noisy(chooser: SplitChooser, first: Split, draws: dict, steps: int) -> 
             g = len(used[s - 1].gpu)
             k = seen[g] = seen.get(g, -1) + 1
             chooser.record(used[s - 1].key, draws[g][min(k, len(draws[g]) - 1)])
-        current = chooser.choose(s, current, first, predict)
+        current = chooser.choose(s, current, proposal or first, predict)
+        if why is not None:
+            why.append(chooser.choosing())
     return used
 
 
@@ -260,22 +265,6 @@ def _count_split(g: int) -> Split:
     return Split(NAMES[:g], NAMES[g:])
 
 
-def _drive(chooser: SplitChooser, first: Split, draws: dict, proposal: Split, predicts: dict, steps: int):
-    """As ``_run_noisy`` with a fixed proposal and predictions by GPU-path group count; returns the splits used
-    and ``choosing()`` after each decision."""
-    used, current, seen, why = [], first, {}, []
-    for s in range(steps):
-        used.append(current)
-        chooser.ran(current)
-        if s >= 1:
-            g = len(used[s - 1].gpu)
-            k = seen[g] = seen.get(g, -1) + 1
-            chooser.record(used[s - 1].key, draws[g][min(k, len(draws[g]) - 1)])
-        current = chooser.choose(s, current, proposal, lambda sp: predicts[len(sp.gpu)])
-        why.append(chooser.choosing())
-    return used, why
-
-
 def test_a_proposal_past_a_clear_loss_is_not_tried():
     """H100 node, this session's run at 86bb81e (Qwen2.5-7B streaming 8x1024, bf16 over the link, clipping
     firing): 13 GPU-path groups 3.363 / 3.217 / 3.301 s a step, the CPU path alone 3.194 / 3.138 / 3.321; the
@@ -283,8 +272,8 @@ def test_a_proposal_past_a_clear_loss_is_not_tried():
     (beyond the 2 % margin): a proposal with more groups than 13 is past that loss and is not tried."""
     draws = {13: [3.363, 3.217, 3.301], 0: [3.194, 3.138, 3.321, 3.194], 18: [3.515]}
     predicts = {13: 2.3, 0: 2.5, 18: 1.9}  # the calibrated model: 18 groups well faster than either
-    chooser = SplitChooser(NAMES)
-    used, why = _drive(chooser, _count_split(13), draws, _count_split(18), predicts, steps=8)
+    chooser, why = SplitChooser(NAMES), []
+    used = _run_noisy(chooser, _count_split(13), draws, 8, _count_split(18), lambda sp: predicts[len(sp.gpu)], why)
     assert [len(u.gpu) for u in used] == [13, 13, 0, 13, 0, 0, 0, 0]
     assert chooser.trials == 3 and chooser.last_decision == KEEP_FASTEST
     assert chooser.beyond_a_loss(_count_split(18), _count_split(0).key) == _count_split(13).key
@@ -295,8 +284,9 @@ def test_a_proposal_past_a_clear_loss_is_not_tried():
     assert why[2] == "runtime split: a trial's step time is still to come"
     assert why[-4:] == [""] * 4
     # A loss within the margin is a tie, not a slope: 13 at 3.200 s against 3.194, and the proposal is tried.
-    chooser = SplitChooser(NAMES)
-    used, why = _drive(chooser, _count_split(13), {**draws, 13: [3.200]}, _count_split(18), predicts, steps=8)
+    chooser, why = SplitChooser(NAMES), []
+    used = _run_noisy(chooser, _count_split(13), {**draws, 13: [3.200]}, 8, _count_split(18),
+                      lambda sp: predicts[len(sp.gpu)], why)
     assert 18 in [len(u.gpu) for u in used] and chooser.trials == 2
     assert any(w.startswith("runtime split: the next step is a trial (trying the model's proposal") for w in why)
 
