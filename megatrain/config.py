@@ -59,6 +59,16 @@ class EngineConfig:
     loss_chunk_tokens: int = 4096
     # Pin the fp32 master buffers (page-locked H2D source). Only on CUDA.
     pin_memory: bool = True
+    # Which host-tier state is page-locked (cudaHostRegister; CUDA with pin_memory only): "stream" (the default:
+    # the buffer that crosses PCIe, the fp32 master or the bf16 shadow with stream_dtype="bf16") or "all" (the
+    # master, AdamW m and v and the shadow; one that cannot be registered stays pageable, with a warning).
+    # Why "all" exists: in some update_path runs the CPU kernel updated all the host-tier groups 1.2-1.8x
+    # faster in the hybrid's process, whose GPU path page-locks m and v, than in the CPU path's (H200 7B
+    # 8x1024 at 3b6c5ca: host update busy 1.05 vs 1.86 s; H100 at 814484a: 1.59 vs 1.90 fp32, 1.36-1.69 vs
+    # 2.26-2.38 with the bf16 shadow), in others not (H100 at 86bb81e: 1.85 vs 1.67). Not measured as such
+    # yet: "stream" stays the default until a same-run A/B on the GPU nodes says (results/update_path/
+    # chain_pinning.sh; results/update_path_pinning_h100_2026-12-07.md).
+    pin_host_state: str = "stream"
     # Refuse to build unless estimate <= available host RAM - margin.
     host_margin_gib: float = 2.0
     # Tiered memory: decoder layers that live entirely on the GPU (fp32 master + AdamW m, v, updated by a
@@ -189,6 +199,9 @@ class EngineConfig:
             raise ValueError(f"host_link_gbps must be > 0 GB/s (None = the real link), got {self.host_link_gbps}")
         if self.update_path not in ("cpu", "hybrid", "auto"):
             raise ValueError(f"update_path must be 'cpu', 'hybrid' or 'auto', got {self.update_path!r}")
+        self.pin_host_state = str(self.pin_host_state).strip().lower()
+        if self.pin_host_state not in ("stream", "all"):
+            raise ValueError(f"pin_host_state must be 'stream' or 'all', got {self.pin_host_state!r}")
         if self.update_staging_gib < 0:
             raise ValueError(f"update_staging_gib must be >= 0, got {self.update_staging_gib}")
         self.host_update_cores = str(self.host_update_cores).strip().lower()

@@ -7,6 +7,7 @@ optimizer runs ONE fused AdamW call per layer.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -70,9 +71,13 @@ class ModelStore:
     """
 
     def __init__(self, groups: list[Group], devices: dict[str, torch.device], shadow_dtype: torch.dtype | None,
-                 pin: bool, shared: dict[tuple[str, str], torch.Tensor] | None = None):
+                 pin: bool, shared: dict[tuple[str, str], torch.Tensor] | None = None, pin_all: bool = False):
         """``shared``: (group, "master" | "m" | "v" | "shadow") -> a zero-filled tensor to use instead of a
-        private allocation (data parallel: the node's host tier in shared memory, megatrain/distributed.py)."""
+        private allocation (data parallel: the node's host tier in shared memory, megatrain/distributed.py).
+        ``pin``: page-lock each host-tier group's streamed buffer (the master, or the shadow); a failure raises.
+        ``pin_all`` (with ``pin``; EngineConfig.pin_host_state="all"): page-lock its master, m and v too (in some
+        runs the CPU kernel ran faster on page-locked state, megatrain/config.py); one that cannot be
+        registered stays pageable (correct, only slower), with a warning."""
         self.groups = groups
         self.by_name = {g.name: g for g in groups}
         self.devices = dict(devices)
@@ -94,7 +99,9 @@ class ModelStore:
         self._registered: list[torch.Tensor] = []
         if pin:
             for name in self.host_names:
-                self._register(self.shadow[name] if self.shadow is not None else self.master[name])
+                self._register(self.stream_source(name))
+            if pin_all:
+                self._pin_state()
 
     @property
     def host_names(self) -> list[str]:
@@ -102,6 +109,23 @@ class ModelStore:
 
     def _register(self, t: torch.Tensor) -> None:
         self._registered.append(pin_in_place(t, "a host-tier tensor"))
+
+    def _pin_state(self) -> None:
+        """Page-lock every host-tier group's master, m and v not registered yet (the streamed buffer is)."""
+        for name in self.host_names:
+            for table in (self.master, self.m, self.v):
+                t = table[name]
+                if self.is_pinned(t):
+                    continue
+                try:
+                    self._register(t)
+                except RuntimeError as exc:  # pageable: the CPU kernel is only slower on it
+                    warnings.warn(f"pin_host_state='all': {exc}; left pageable", RuntimeWarning)
+                    return  # the next ones would fail the same way (page-locked memory exhausted)
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        """Whether this store page-locked ``t`` (the same storage, from its start)."""
+        return t.data_ptr() in {r.data_ptr() for r in self._registered}
 
     @property
     def pinned_bytes(self) -> int:

@@ -111,6 +111,8 @@ class StreamedAdamW:
             for name in self.names:
                 tables = [store.m, store.v] + ([store.master] if store.shadow is not None else [])
                 for t in tables:
+                    if store.is_pinned(t[name]):  # the store page-locked it (pin_host_state="all")
+                        continue
                     try:
                         self._pinned.append(pin_in_place(t[name], f"host-tier state of {name} (GPU update path)"))
                     except RuntimeError as exc:  # still correct from pageable memory, only slower (synchronous)

@@ -430,7 +430,7 @@ class SplitChooser:
 
 
 def measure_rates(device, kernel, numel: int = 1 << 27, copy_bytes: int = 256 << 20, runs: int = 7,
-                  shadow: bool = False) -> UpdateRates:
+                  shadow: bool = False, pinned: bool = False) -> UpdateRates:
     """Measure the rates on this machine (CUDA only; one to two seconds): pinned copies each way with the other
     direction running, and ``kernel`` (a megatrain.cpu_adamw.HostKernel) on ``numel`` fp32 parameters with a
     bf16 gradient, alone and while those copies run; each CPU rate is the median of ``runs`` runs (a fastest
@@ -438,7 +438,9 @@ def measure_rates(device, kernel, numel: int = 1 << 27, copy_bytes: int = 256 <<
     best of five 15 ms runs, while the step's kernel ran at 3.6-4.0). 128M parameters (1.8 GB of p, m, v, g)
     make each run ~30-60 ms, long beside a thread pool's wake-up. Only loaded runs that ended while both copy
     streams still ran count as loaded (the copies are queued to outlast them, and checked). ``shadow``
-    (stream_dtype="bf16"): the kernel also writes a bf16 shadow, as the CPU path's updates then do."""
+    (stream_dtype="bf16"): the kernel also writes a bf16 shadow, as the CPU path's updates then do. ``pinned``
+    (EngineConfig.pin_host_state="all"): p, m, v, the gradient and the shadow are page-locked, as the store's
+    and the gradient slabs then are (the rate may depend on it: megatrain/config.py)."""
     import torch
 
     from .pinning import pin_in_place, unpin
@@ -454,14 +456,22 @@ def measure_rates(device, kernel, numel: int = 1 << 27, copy_bytes: int = 256 <<
         kernel.step(p, g, m, v, step_t, 1e-6, 1.0, shadow=out)
         return time.perf_counter() - t0
 
-    cpu_run()  # warm-up (page faults, extension load)
-    alone = sorted(cpu_run() for _ in range(runs))
-    rates.cpu_gps = numel / statistics.median(alone) / GB
-    rates.cpu_spread = (alone[-1] - alone[0]) / statistics.median(alone)
-    host_up, host_down = torch.empty(copy_bytes, dtype=torch.uint8), torch.empty(copy_bytes, dtype=torch.uint8)
-    pin_in_place(host_up, "the update-rate measurement buffer")
-    pin_in_place(host_down, "the update-rate measurement buffer")
+    locked: list = []  # page-locked here, unlocked in the finally
+
+    def lock(t):
+        locked.append(pin_in_place(t, "the update-rate measurement buffer"))
+        return t
+
     try:
+        for t in (p, m, v, g, out) if pinned else ():
+            if t is not None:
+                lock(t)
+        cpu_run()  # warm-up (page faults, extension load)
+        alone = sorted(cpu_run() for _ in range(runs))
+        rates.cpu_gps = numel / statistics.median(alone) / GB
+        rates.cpu_spread = (alone[-1] - alone[0]) / statistics.median(alone)
+        host_up = lock(torch.empty(copy_bytes, dtype=torch.uint8))
+        host_down = lock(torch.empty(copy_bytes, dtype=torch.uint8))
         dev_up = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
         dev_down = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
         s_up, s_down = torch.cuda.Stream(device), torch.cuda.Stream(device)
@@ -494,7 +504,7 @@ def measure_rates(device, kernel, numel: int = 1 << 27, copy_bytes: int = 256 <<
         del dev_up, dev_down
     finally:
         torch.cuda.synchronize(device)
-        unpin(host_up)
-        unpin(host_down)
+        for t in locked:
+            unpin(t)
     torch.cuda.empty_cache()
     return rates

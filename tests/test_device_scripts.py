@@ -39,3 +39,27 @@ def test_device_script_parses_and_passes_one_override_per_word(script):
 def test_there_are_scripts_to_check():
     names = {p.name for p in SCRIPTS}
     assert {"chain_1206.sh", "same_run.sh", "device_call_env.sh"} <= names
+
+
+def _sweep_variants() -> set[str]:
+    import yaml
+
+    names = set()
+    for path in (ROOT / "experiments" / "conf" / "sweep").glob("*.yaml"):
+        sweep = (yaml.safe_load(path.read_text()) or {}).get("sweep") or {}
+        names |= set(sweep.get("variants") or {})
+    return names
+
+
+def test_variants_a_script_names_exist_in_some_sweep():
+    """A variant misspelt in a script's `only=` (or chain_pinning's `pts` lists) selects no point: the runner
+    then measures nothing, and the call is spent."""
+    known = _sweep_variants()
+    assert {"streaming_cpu_pinned_locked", "tiered_cpu_pinned"} <= known
+    named = set()
+    for script in SCRIPTS:
+        text = "\n".join(x for x in script.read_text().splitlines() if not x.lstrip().startswith("#"))
+        named |= set(re.findall(r"__b\d+__(?!\*|\$)(\w+?)__\*", text))
+        for m in re.finditer(r"\$\(pts [\w.-]+ \d+ ([\w ]+)\)", text):
+            named |= set(m.group(1).split())
+    assert named and not named - known, sorted(named - known)

@@ -276,3 +276,44 @@ def test_the_shadow_bench_times_three_ways_and_refuses_to_measure_nothing(tmp_pa
     assert [r["way"] for r in rows] == ["update_only", "fused", "second_pass"]
     assert all(r["median_s"] > 0 and r["params"] == 20000 for r in rows) and rows[0]["vs_update_only"] == 1.0
     assert bench.main(["--params", "0"]) == 2
+
+
+def test_bench_host_pinning_times_pageable_locked_pageable_on_one_set_of_buffers(tmp_path, monkeypatch):
+    """scripts/bench_host_pinning.py (the device's check of pin_host_state="all"): three phases A-B-A on the
+    same buffers, p, m, v and the gradient registered for the middle one only (a fake cudart records it here);
+    without CUDA or the C++ kernel it measures nothing and exits 1."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_host_pinning.py"
+    spec = importlib.util.spec_from_file_location("bench_host_pinning", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "pinning.jsonl"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--params", "20000", "--seconds", "0.01", "--out", str(out)]) == 1 and not out.exists()
+
+    class Cudart:
+        registered, unregistered = [], []
+
+        def cudaHostRegister(self, ptr, nbytes, flags):  # noqa: N802 - the CUDA runtime's names
+            self.registered.append((ptr, nbytes))
+            return 0
+
+        def cudaHostUnregister(self, ptr):  # noqa: N802
+            self.unregistered.append(ptr)
+            return 0
+
+    fake = Cudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a fake GPU")
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    assert bench.main(["--params", "20000", "--seconds", "0.01", "--allow-fallback", "--out", str(out)]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["phase"] for r in rows] == ["pageable", "page_locked", "pageable_again"]
+    assert all(r["median_s"] > 0 and r["passes"] >= 3 and r["params"] == 20000 for r in rows)
+    assert rows[0]["vs_pageable"] == 1.0 and "numa_balancing" in rows[0] and rows[0]["gpu"] == "a fake GPU"
+    assert sorted(nb for _, nb in fake.registered) == sorted([20000 * 4] * 3 + [20000 * 2])  # p, m, v, bf16 g
+    assert sorted(fake.unregistered) == sorted(ptr for ptr, _ in fake.registered)
+    assert bench.main(["--params", "0"]) == 2

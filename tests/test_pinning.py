@@ -62,3 +62,63 @@ def test_boundary_buffers_pin_on_growth_and_unpin_the_old_one(cudart):
     assert len(cudart.registered) == 1
     buf.get(0, torch.empty(64, dtype=torch.bfloat16))  # grows: the old buffer is unpinned first
     assert cudart.unregistered == [first] and cudart.registered[-1][1] == 128
+
+
+def _two_groups():
+    return [Group("embed", "embed", -1, [], [], 64), Group("layer.0", "layer", 0, [], [], 128)]
+
+
+CPU2 = {"embed": torch.device("cpu"), "layer.0": torch.device("cpu")}
+
+
+def test_pin_all_page_locks_master_m_and_v_of_each_host_group_once(cudart):
+    """pin_host_state="all": the streamed buffer first (as "stream"), then every group's master, m and v that is
+    not registered yet; close() unregisters every one."""
+    store = ModelStore(_two_groups(), CPU2, None, pin=True, pin_all=True)
+    want = [store.master["embed"], store.master["layer.0"]]  # the streamed buffers
+    for name in ("embed", "layer.0"):
+        want += [store.m[name], store.v[name]]
+    assert [r[0] for r in cudart.registered] == [t.data_ptr() for t in want]
+    assert store.pinned_bytes == (64 + 128) * 4 * 3
+    assert all(store.is_pinned(t) for t in want)
+    store.close()
+    assert sorted(cudart.unregistered) == sorted(t.data_ptr() for t in want) and store.pinned_bytes == 0
+
+
+def test_pin_all_with_a_bf16_shadow_locks_the_shadow_and_the_fp32_state(cudart):
+    store = ModelStore(_two_groups(), CPU2, torch.bfloat16, pin=True, pin_all=True)
+    assert store.pinned_bytes == (64 + 128) * (2 + 4 * 3)
+    assert store.is_pinned(store.shadow["embed"]) and store.is_pinned(store.master["embed"])
+    stream_only = ModelStore(_two_groups(), CPU2, torch.bfloat16, pin=True)  # "stream": the shadow only
+    assert stream_only.pinned_bytes == (64 + 128) * 2 and not stream_only.is_pinned(stream_only.master["embed"])
+
+
+def test_pin_all_leaves_state_pageable_with_a_warning_when_registering_fails(cudart):
+    """A streamed buffer that cannot be page-locked is an error (its copies would be synchronous); m and v
+    that cannot be are left pageable (the CPU kernel is only slower on them), and no further one is tried."""
+    calls = []
+
+    def register(ptr, nbytes, flags):
+        calls.append(ptr)
+        return 2 if len(calls) > 3 else 0  # the two masters and one m, then page-locked memory runs out
+
+    cudart.cudaHostRegister = register
+    with pytest.warns(RuntimeWarning, match="pin_host_state='all': cudaHostRegister failed .* left pageable"):
+        store = ModelStore(_two_groups(), CPU2, None, pin=True, pin_all=True)
+    assert len(calls) == 4 and store.pinned_bytes == (64 + 128) * 4 + 64 * 4
+    assert store.is_pinned(store.m["embed"]) and not store.is_pinned(store.v["embed"])
+
+
+def test_pin_all_needs_pin():
+    """No CUDA (pin False): nothing is page-locked, whatever pin_host_state says."""
+    store = ModelStore(_two_groups(), CPU2, None, pin=False, pin_all=True)
+    assert store.pinned_bytes == 0
+
+
+def test_pin_host_state_setting_is_checked():
+    from megatrain import EngineConfig
+
+    assert EngineConfig().pin_host_state == "stream"  # until a same-run A/B on the GPU nodes says otherwise
+    assert EngineConfig(pin_host_state=" All ").pin_host_state == "all"
+    with pytest.raises(ValueError, match="pin_host_state must be 'stream' or 'all', got 'some'"):
+        EngineConfig(pin_host_state="some")

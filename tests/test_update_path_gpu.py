@@ -33,6 +33,7 @@ SLOW_CPU = UpdateRates(cpu_gps=1.0, cpu_loaded_gps=0.8, h2d_gbs=46.0, d2h_gbs=46
     dict(micro_batches=2, gpu_path_prefetch=True),  # state uploaded during the backward (from step 2 on)
     dict(micro_batches=1, gpu_path_prefetch=True, gpu_path_groups="auto", optim=NO_CLIP),
     dict(micro_batches=2, gpu_path_prefetch=True, grad_placement="host"),
+    dict(micro_batches=2, pin_host_state="all"),  # the store page-locks m and v, the GPU path none again
 ])
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])  # untied, tied
 def test_cuda_fp32_hybrid_matches_cpu_reference(preset, overrides):
@@ -153,3 +154,35 @@ def test_cuda_measure_rates_is_a_median_with_its_spread_and_loaded_runs_under_co
     # stream_dtype="bf16": the probe's kernel writes the shadow too, as the CPU path's updates then do
     with_shadow = measure_rates(torch.device("cuda"), HostKernel(OPTIM, 0), numel=1 << 24, runs=5, shadow=True)
     assert with_shadow.cpu_gps > 0 and 0 < with_shadow.cpu_loaded_gps <= 1.5 * with_shadow.cpu_gps
+    # pin_host_state="all": the probe's p, m, v, gradient and shadow page-locked, and unlocked after it
+    from megatrain.pinning import pin_in_place, unpin
+
+    locked = measure_rates(torch.device("cuda"), HostKernel(OPTIM, 0), numel=1 << 24, runs=5, shadow=True,
+                           pinned=True)
+    assert locked.cpu_gps > 0 and 0 < locked.cpu_loaded_gps <= 1.5 * locked.cpu_gps
+    t = torch.empty(1 << 20)  # registering again works: nothing was left registered in a broken state
+    unpin(pin_in_place(t, "a probe check"))
+
+
+@pytest.mark.parametrize("stream_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("update_path", ["cpu", "hybrid"])
+def test_cuda_pin_host_state_page_locks_what_it_says_once(update_path, stream_dtype, recwarn):
+    """pin_host_state="all": every host-tier group's master, m, v (and the bf16 shadow) page-locked
+    by the store, the GPU path registering none twice (no warning); "stream" (the default): the streamed buffer only."""
+    spec = PRESETS["tiny-llama"]
+    for setting, fp32_arrays in (("all", 3), ("stream", 0)):
+        cfg = EngineConfig(device="cuda", compute_dtype="fp32", seed=0, gpu_resident="0", update_path=update_path,
+                           gpu_path_groups=FORCED if update_path == "hybrid" else "auto", optim=OPTIM,
+                           stream_dtype=stream_dtype, pin_host_state=setting)
+        engine = MegaTrain.from_config(spec.to_hf_config("sdpa"), cfg, verbose=False)
+        try:
+            host = sum(engine.store.by_name[n].numel for n in engine.placement.host_names)
+            stream = 2 if stream_dtype == "bf16" else 4
+            extra = fp32_arrays * 4 - (4 if stream_dtype == "fp32" and setting == "all" else 0)
+            assert engine.store.pinned_bytes == host * (stream + extra)
+            engine.step(synthetic_batch(spec.vocab_size, 2, 32, 0, 0))
+            if update_path == "hybrid" and setting == "all":
+                assert engine.host_tier.gpu._pinned == []  # the store's, not registered twice
+        finally:
+            engine.close()
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in recwarn]

@@ -20,7 +20,7 @@ end=${END_S:-560}
 if [ "${MODE:-}" = bench ]; then  # the last minutes: the kernel alone, fused shadow vs second pass
   python3 -m megatrain.kernels build >> "$OUT/settle.log" 2>&1  # the host AdamW only (no DeepSpeed build)
   say "host kernel: update alone, shadow fused, shadow by a second pass (5e8 params, median of 5)"
-  python3 scripts/bench_host_shadow.py --params 5e8 --runs 5 --out "$OUT/shadow.jsonl" >> "$OUT/settle.log" 2>&1
+  PYTHONPATH=. python3 scripts/bench_host_shadow.py --params 5e8 --runs 5 --out "$OUT/shadow.jsonl" >> "$OUT/settle.log" 2>&1
   say "bench exit $?"
   exit 0
 fi
