@@ -99,6 +99,9 @@ class MegaTrain:
         hf_config = with_positions(hf_config, cfg.max_position_embeddings)  # long context: 0 = model's own
         hf_config._attn_implementation = cfg.attn_implementation
         hf_config.use_cache = False
+        if dist is not None and cfg.pin_host_state == "all":
+            # each rank would register the node's whole shared arena, every slice's m and v: never run on GPUs
+            raise ValueError("pin_host_state='all' is not supported with data parallel training (use 'stream')")
         self.cfg = cfg
         self.dist = dist
         self.config = hf_config

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .arch import EMBED_NAME, HEAD_NAME, LAYER_PREFIX, NORM_NAME, ParamSpan, flat_layout
-from .pinning import pin_in_place, unpin
+from .pinning import PinError, pin_in_place, unpin
 
 
 @dataclass
@@ -119,13 +119,16 @@ class ModelStore:
                     continue
                 try:
                     self._register(t)
-                except RuntimeError as exc:  # pageable: the CPU kernel is only slower on it
+                except PinError as exc:  # pageable: the CPU kernel is only slower on it
                     warnings.warn(f"pin_host_state='all': {exc}; left pageable", RuntimeWarning)
-                    return  # the next ones would fail the same way (page-locked memory exhausted)
+                    if exc.code == 2:  # page-locked memory exhausted: the next ones would fail the same way
+                        return
 
     def is_pinned(self, t: torch.Tensor) -> bool:
-        """Whether this store page-locked ``t`` (the same storage, from its start)."""
-        return t.data_ptr() in {r.data_ptr() for r in self._registered}
+        """Whether ``t``'s bytes lie inside a buffer this store page-locked."""
+        lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        return any(r.data_ptr() <= lo and hi <= r.data_ptr() + r.numel() * r.element_size()
+                   for r in self._registered)
 
     @property
     def pinned_bytes(self) -> int:

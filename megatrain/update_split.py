@@ -29,6 +29,7 @@ import dataclasses
 import math
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
 
 GB = 1e9
@@ -443,7 +444,7 @@ def measure_rates(device, kernel, numel: int = 1 << 27, copy_bytes: int = 256 <<
     and the gradient slabs then are (the rate may depend on it: megatrain/config.py)."""
     import torch
 
-    from .pinning import pin_in_place, unpin
+    from .pinning import PinError, pin_in_place, unpin
 
     rates = UpdateRates(measured=True)
     p, m, v = (torch.zeros(numel) for _ in range(3))
@@ -464,8 +465,14 @@ def measure_rates(device, kernel, numel: int = 1 << 27, copy_bytes: int = 256 <<
 
     try:
         for t in (p, m, v, g, out) if pinned else ():
-            if t is not None:
+            if t is None:
+                continue
+            try:
                 lock(t)
+            except PinError as exc:  # as the store under the same setting: measured on pageable memory
+                warnings.warn(f"update-rate probe: {exc}; the CPU kernel is timed on pageable memory",
+                              RuntimeWarning)
+                break
         cpu_run()  # warm-up (page faults, extension load)
         alone = sorted(cpu_run() for _ in range(runs))
         rates.cpu_gps = numel / statistics.median(alone) / GB

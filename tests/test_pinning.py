@@ -93,6 +93,44 @@ def test_pin_all_with_a_bf16_shadow_locks_the_shadow_and_the_fp32_state(cudart):
     assert stream_only.pinned_bytes == (64 + 128) * 2 and not stream_only.is_pinned(stream_only.master["embed"])
 
 
+def test_a_failed_register_is_a_pin_error_with_its_code(cudart):
+    from megatrain.pinning import PinError
+
+    cudart.err = 712  # cudaErrorHostMemoryAlreadyRegistered
+    with pytest.raises(PinError) as info:
+        pin_in_place(torch.empty(8), "a buffer")
+    assert info.value.code == 712 and isinstance(info.value, RuntimeError)
+
+
+def test_is_pinned_knows_views_inside_a_locked_buffer(cudart):
+    store = ModelStore(_two_groups(), CPU2, None, pin=True)
+    master = store.master["layer.0"]
+    assert store.is_pinned(master) and store.is_pinned(master[16:32]) and not store.is_pinned(store.m["layer.0"])
+
+
+def test_pin_all_skips_only_the_tensor_that_failed_unless_memory_ran_out(cudart):
+    """Another error (here "already registered") leaves that tensor pageable and goes on with the next ones."""
+    calls = []
+
+    def register(ptr, nbytes, flags):
+        calls.append(ptr)
+        return 712 if len(calls) == 3 else 0  # the embed group's m
+
+    cudart.cudaHostRegister = register
+    with pytest.warns(RuntimeWarning, match=r"cudaHostRegister failed \(712\)"):
+        store = ModelStore(_two_groups(), CPU2, None, pin=True, pin_all=True)
+    assert len(calls) == 6 and not store.is_pinned(store.m["embed"])
+    assert store.is_pinned(store.v["embed"]) and store.is_pinned(store.v["layer.0"])
+
+
+def test_pin_all_with_data_parallel_is_refused():
+    from megatrain import EngineConfig, MegaTrain, PRESETS
+
+    cfg = EngineConfig(device="cpu", pin_host_state="all")
+    with pytest.raises(ValueError, match="pin_host_state='all' is not supported with data parallel"):
+        MegaTrain.from_config(PRESETS["tiny-llama"].to_hf_config("eager"), cfg, verbose=False, dist=object())
+
+
 def test_pin_all_leaves_state_pageable_with_a_warning_when_registering_fails(cudart):
     """A streamed buffer that cannot be page-locked is an error (its copies would be synchronous); m and v
     that cannot be are left pageable (the CPU kernel is only slower on them), and no further one is tried."""

@@ -188,3 +188,21 @@ def test_cuda_pin_host_state_page_locks_what_it_says_once(update_path, stream_dt
             engine.close()
     failed = [str(w.message) for w in recwarn if "cudaHostRegister" in str(w.message)]
     assert not failed, failed  # a second registration of one tensor fails (and would warn)
+
+
+def test_cuda_a_failed_registration_leaves_no_error_for_the_next_kernel():
+    """cudaHostRegister on memory already registered fails (712); the runtime keeps that as the thread's last
+    error, which torch's next kernel-launch check would raise as its own. pin_in_place consumes it: the
+    fallbacks (the store's pin_host_state="all", the GPU path's, the probe's) then run on pageable memory."""
+    from megatrain.pinning import PinError, pin_in_place, unpin
+
+    t = pin_in_place(torch.empty(1 << 20), "a test buffer")
+    try:
+        with pytest.raises(PinError) as info:
+            pin_in_place(t, "the same buffer again")
+        assert info.value.code != 0
+        x = torch.ones(1 << 10, device="cuda").mul_(2.0)  # a launch check after the failure: must not raise
+        torch.cuda.synchronize()
+        assert float(x.sum()) == 2.0 * (1 << 10)
+    finally:
+        unpin(t)
