@@ -662,7 +662,7 @@ class MegaTrain:
         host_estimate = sum(plan.host_parts.values())
         stats = MemoryStats(host_rss=self._peak_rss,
                             host_pinned=(self.store.pinned_bytes + self.grad_stream.pinned_bytes
-                                         + self.grad_home.pinned_bytes),
+                                         + self.grad_home.pinned_bytes + self.host_tier.pinned_bytes),
                             extra={"host_estimate_bytes": host_estimate,
                                    "host_bytes_per_param": (host_estimate / plan.params_on("host")) if plan.params_on("host") else None,
                                    "gpu_estimate_bytes": sum(plan.gpu_parts.values()),

@@ -74,6 +74,11 @@ class HybridHostAdamW:
     def rollbacks(self) -> int:
         return self.cpu.rollbacks
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Host memory the GPU path page-locked (its groups' m, v; the master under a bf16 shadow)."""
+        return self.gpu.pinned_bytes if self.gpu is not None else 0
+
     def choosing(self) -> str:
         """Why the runtime split is still being chosen ("" when it is not, or when nothing is chosen)."""
         return self.chooser.choosing() if self.chooser is not None else ""

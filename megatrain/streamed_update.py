@@ -164,6 +164,11 @@ class StreamedAdamW:
         return [x for x in self.names if x in self.full]
 
     @property
+    def pinned_bytes(self) -> int:
+        """Host state this path page-locked itself (what the store had locked is the store's)."""
+        return sum(t.numel() * t.element_size() for t in self._pinned)
+
+    @property
     def staging_bytes(self) -> int:
         return (sum(t.numel() * 4 for t in self.rot) + sum(t.numel() * 4 for t in self.full.values())
                 + sum(t.numel() * t.element_size() for x, t in self.kept.items() if x not in self.full))

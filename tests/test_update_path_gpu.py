@@ -184,6 +184,12 @@ def test_cuda_pin_host_state_page_locks_what_it_says_once(update_path, stream_dt
             engine.step(synthetic_batch(spec.vocab_size, 2, 32, 0, 0))
             if update_path == "hybrid" and setting == "all":
                 assert engine.host_tier.gpu._pinned == []  # the store's, not registered twice
+            elif update_path == "hybrid":  # "stream": the GPU path locks its groups' m, v (+ the master, bf16)
+                gpu_set = engine.host_tier.gpu.names
+                per = 8 + (4 if stream_dtype == "bf16" else 0)
+                assert engine.host_tier.pinned_bytes == per * sum(engine.store.by_name[n].numel for n in gpu_set)
+            mem = engine.memory()  # the row's host_pinned_gib: every page-locked byte, the GPU path's included
+            assert mem.host_pinned >= engine.store.pinned_bytes + engine.host_tier.pinned_bytes
         finally:
             engine.close()
     failed = [str(w.message) for w in recwarn if "cudaHostRegister" in str(w.message)]
