@@ -219,6 +219,11 @@ class EngineConfig:
             raise ValueError("mixed_precision='autocast' keeps RMSNorm weights in fp32 but stream_dtype='bf16' "
                              "streams them rounded to bf16; use stream_dtype='fp32'")
 
+    @property
+    def pins_all_host_state(self) -> bool:
+        """Whether the host state is page-locked whole (pin_host_state="all", with pin_memory)."""
+        return self.pin_memory and self.pin_host_state == "all"
+
     def resolved_device(self):
         import torch
 

@@ -210,6 +210,17 @@ _EMPTY_I = torch.empty(0, dtype=torch.int32)
 _EMPTY_F = torch.empty(0, 2, dtype=torch.float32)
 
 
+def bench_setup(n: int, allow_fallback: bool = False):
+    """What the host-kernel benchmarks (scripts/bench_host_*.py) time: a HostKernel and ``n`` parameters of state
+    (p random, m and v zero, a bf16 gradient ~1e-3), or a one-line reason when the kernel is torch's fallback,
+    which the engine does not run on a GPU node (unless ``allow_fallback``, for tests)."""
+    kernel = HostKernel(OptimConfig(lr=1e-4, weight_decay=0.1))
+    if kernel.ext is None and not allow_fallback:
+        return f"the C++ host kernel is not built here ({name()}): nothing the engine runs to measure"
+    g = torch.randn(n).mul_(1e-3).to(torch.bfloat16)
+    return kernel, (torch.randn(n), torch.zeros(n), torch.zeros(n), g)
+
+
 def _blocks_in(flags, start: int, n: int) -> list[int]:
     """Indices (relative to ``start``, a multiple of BLOCK) of the deferred blocks among n elements."""
     if flags is None:

@@ -148,7 +148,7 @@ class MegaTrain:
         shadow = torch.bfloat16 if cfg.stream_dtype == "bf16" else None
         # Data parallel: the host tier lives once per node in shared memory, written by the node's leader.
         shared = dist.host_arena(self.groups, self.placement.host_names, shadow) if dist else None
-        self.store = ModelStore(self.groups, devices, shadow, pin, shared=shared, pin_all=cfg.pin_host_state == "all")
+        self.store = ModelStore(self.groups, devices, shadow, pin, shared=shared, pin_all=cfg.pins_all_host_state)
         writer = dist.writer(self.store) if dist else self.store
         if _weights == "init":
             checkpoint.init_into(writer, self.meta, self.groups, cfg.seed, self.device)
@@ -213,7 +213,7 @@ class MegaTrain:
             threads = max(1, torch.get_num_threads() - 1)  # as HostAdamW runs it (one core left to this thread)
             # on page-locked state where the store's is (pin_host_state="all"): the kernel's rate depends on it
             return measure_rates(self.device, HostKernel(cfg.optim, threads), shadow=cfg.stream_dtype == "bf16",
-                                 pinned=cfg.pin_memory and cfg.pin_host_state == "all")
+                                 pinned=cfg.pins_all_host_state)
         return (rates or cost_model.Rates()).update_rates()
 
     def _plan(self, tokens_per_step, seq_len, tiers, keep, rates) -> placement.Placement:

@@ -347,7 +347,7 @@ def build_host_tier(cpu_opt, *, store: ModelStore, cfg, streams: StreamSet, host
     else:
         if rates is None:
             rates = (measure_rates(streams.device, cpu_opt.kernel, shadow=store.shadow is not None,
-                                   pinned=cfg.pin_memory and cfg.pin_host_state == "all") if streams.cuda
+                                   pinned=cfg.pins_all_host_state) if streams.cuda
                      else UpdateRates())
         # The plan predicted its hybrid term with this same split (first_split) at these rates.
         args = dict(staging_bytes=staging_bytes, grads_on_host=grads_on_host, stream_bytes=c,

@@ -31,7 +31,6 @@ import torch
 from megatrain import cpu_adamw
 from megatrain.grad_offload import CHUNK_ELEMS
 from megatrain.pinning import pin_in_place, unpin
-from megatrain.system import OptimConfig
 
 
 def node_facts() -> dict:
@@ -64,13 +63,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("page-locking needs CUDA (cudaHostRegister): nothing to compare here", file=sys.stderr)
         return 1
-    kernel = cpu_adamw.HostKernel(OptimConfig(lr=1e-4, weight_decay=0.1))
-    if kernel.ext is None and not a.allow_fallback:
-        print(f"the C++ host kernel is not built here ({cpu_adamw.name()}): nothing the engine runs to measure",
-              file=sys.stderr)
+    setup = cpu_adamw.bench_setup(n, a.allow_fallback)
+    if isinstance(setup, str):
+        print(setup, file=sys.stderr)
         return 1
-    p, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
-    g = torch.randn(n).mul_(1e-3).to(torch.bfloat16)
+    kernel, (p, m, v, g) = setup
     step = torch.ones(())
     state = (p, m, v, g)
 

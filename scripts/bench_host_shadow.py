@@ -21,7 +21,6 @@ import torch
 
 from megatrain import cpu_adamw
 from megatrain.grad_offload import CHUNK_ELEMS
-from megatrain.system import OptimConfig
 
 
 def main(argv=None) -> int:
@@ -36,13 +35,11 @@ def main(argv=None) -> int:
     if n < 1 or a.runs < 1 or chunk < 1:
         print("--params, --runs and --chunk must be >= 1", file=sys.stderr)
         return 2
-    kernel = cpu_adamw.HostKernel(OptimConfig(lr=1e-4, weight_decay=0.1))
-    if kernel.ext is None and not a.allow_fallback:
-        print(f"the C++ host kernel is not built here ({cpu_adamw.name()}): nothing the engine runs to measure",
-              file=sys.stderr)
+    setup = cpu_adamw.bench_setup(n, a.allow_fallback)
+    if isinstance(setup, str):
+        print(setup, file=sys.stderr)
         return 1
-    p, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
-    g = torch.randn(n).mul_(1e-3).to(torch.bfloat16)
+    kernel, (p, m, v, g) = setup
     shadow = torch.empty(n, dtype=torch.bfloat16)
     step = torch.ones(())
 
