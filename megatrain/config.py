@@ -64,7 +64,7 @@ class EngineConfig:
     # master, AdamW m and v and the shadow; one that cannot be registered stays pageable, with a warning).
     # Why "all" exists: in some update_path runs the CPU kernel updated all the host-tier groups 1.2-1.8x
     # faster in the hybrid's process, whose GPU path page-locks m and v, than in the CPU path's (H200 7B
-    # 8x1024 at 3b6c5ca: host update busy 1.05 vs 1.86 s; H100 at 814484a: 1.59 vs 1.90 fp32, 1.36-1.69 vs
+    # 8x1024 at 3b6c5ca: host update busy 1.05 vs 1.86 s; H100 at 814484a: 1.59 vs 1.98 fp32, 1.36-1.69 vs
     # 2.26-2.38 with the bf16 shadow), in others not (H100 at 86bb81e: 1.85 vs 1.67). Not measured as such
     # yet: "stream" stays the default until a same-run A/B on the GPU nodes says (results/update_path/
     # chain_pinning.sh; results/update_path_pinning_h100_2026-12-07.md).
