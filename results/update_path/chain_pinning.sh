@@ -9,6 +9,8 @@
 #   K=1 (~8-9 min): clipping fires; 7B pure streaming 8x1024: the CPU path as before / locked and the hybrid
 #       locked, fp32 then the bf16 shadow; then (H200) 14B tiered 16x1024 CPU path as before / locked
 #   K=2 (~8 min): 14B hybrid (H200), the 3B triple (clipping fires), then without clipping the 7B fp32 triple
+#   K=3 (H200 only, ~8 min; session 2026-12-07d): 14B tiered 16x1024, clipping fires: the CPU path, the hybrid,
+#       the hybrid with the bf16 shadow streamed (its host RAM may not fit: the plan then refuses, one row says why)
 # On an 80 GB card (H100) the 14B points are left out (they do not fit beside this host's RAM).
 # Each runner: one process per point; warm-up 6 steps + up to 6 while the runtime split is still choosing.
 # Usage (repo root; carry ["wheelhouse"]): [END_S=<s>] bash results/update_path/chain_pinning.sh K <git sha>
@@ -54,6 +56,12 @@ case $K in
     new timeout_s=150 'sweep.models=[qwen2.5-7b]' sweep.name=update_path_noclip optim.max_grad_norm=1e9 \
       time_budget_s=$(budget "$end") "$(pts qwen2.5-7b 8 streaming_cpu_pinned streaming_cpu_pinned_locked streaming_hybrid_locked)"
     ;;
-  *) say "K must be 0, 1 or 2"; exit 2 ;;
+  3)
+    [ $big = 1 ] || { say "K=3 needs an H200 (14B tiered)"; exit 2; }
+    build_kernels
+    new timeout_s=170 'sweep.models=[qwen2.5-14b]' time_budget_s=$(budget "$end") \
+      "$(pts qwen2.5-14b 16 tiered_cpu_pinned tiered_hybrid tiered_hybrid_bf16)"
+    ;;
+  *) say "K must be 0, 1, 2 or 3"; exit 2 ;;
 esac
 say done
