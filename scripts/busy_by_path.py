@@ -7,8 +7,9 @@ of the host state is page-locked?).
 
 Columns: point (model, variant), TFLOPS of the row, page-locked GiB (the row's host_pinned: the store's, the
 gradient buffers' and, since 2026-12-07c, the GPU path's own), then for "CPU only" and "split" steps the median
-CPU-kernel busy seconds, the median step seconds and how many steps (after step 0; speculative steps, whose
-CPU path runs inside the step, are left out). Exits 1 when no folder holds a point with steps."""
+CPU-kernel busy seconds, the median step seconds and how many steps, classed by the routing of the update that
+ran in the step (the step before's: see ``summarise``; speculative steps, whose CPU path runs inside the step,
+are left out, as is the step after one). Exits 1 when no folder holds a point with steps."""
 from __future__ import annotations
 
 import json
@@ -29,14 +30,23 @@ def points(paths: list[Path]) -> list[Path]:
 
 
 def summarise(point: Path) -> dict | None:
-    """One point's numbers (None when it has no step after the first)."""
+    """One point's numbers (None when it has no step after the first).
+
+    A step's ``host_update_busy_s`` measures the update routed in the step before: the host tier's update runs
+    after its step's norm, during the next step's forward (``cpu_groups`` / ``gpu_path_groups`` count the groups
+    routed in the step's own backward). So step N's busy and step time go with step N-1's routing, as the
+    engine's own calibration pairs them (megatrain/host_tier.py ``_calibrate``). Until 2026-12-07d this script
+    paired them with step N's routing: a lone CPU-only trial step then showed the busy of a split update (the
+    "CPU-only steps as fast as split ones" of results/update_path_pinning_h100_2026-12-07.md, an artefact)."""
     steps = [json.loads(x) for x in (point / "metrics.jsonl").read_text().splitlines() if x.strip()]
     kinds: dict[str, list[tuple[float, float]]] = {"cpu": [], "split": []}
-    for r in steps:
-        ph = r.get("phases", {})
-        if r.get("step", 0) == 0 or ph.get("speculated") or "host_update_busy_s" not in ph:
-            continue  # the first step has no update before it; a speculative step's CPU path runs inside it
-        kind = "split" if ph.get("gpu_path_groups", 0) > 0 else "cpu"
+    for before, r in zip(steps, steps[1:]):
+        ph, routed = r.get("phases", {}), before.get("phases", {})
+        if r.get("step") != before.get("step", -2) + 1 or "host_update_busy_s" not in ph:
+            continue  # a gap in the record: the step before is not the one whose update ran here
+        if ph.get("speculated") or routed.get("speculated"):
+            continue  # a speculative step's CPU path runs inside that step, not after its norm
+        kind = "split" if routed.get("gpu_path_groups", 0) > 0 else "cpu"
         kinds[kind].append((ph["host_update_busy_s"], r["step_time_s"]))
     if not any(kinds.values()):
         return None
