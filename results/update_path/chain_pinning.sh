@@ -11,6 +11,8 @@
 #   K=2 (~8 min): 14B hybrid (H200), the 3B triple (clipping fires), then without clipping the 7B fp32 triple
 #   K=3 (H200 only, ~8 min; session 2026-12-07d): 14B tiered 16x1024, clipping fires: the CPU path, the hybrid,
 #       the hybrid with the bf16 shadow streamed (its host RAM may not fit: the plan then refuses, one row says why)
+#   K=4 (~7 min; 2026-12-07d, after K=0 and 1 showed no gain from "all"): clipping fires, the CPU path and the
+#       hybrid as they run by default (pin_host_state "stream"), 7B fp32 8x1024 then 3B 16x1024
 # On an 80 GB card (H100) the 14B points are left out (they do not fit beside this host's RAM).
 # Each runner: one process per point; warm-up 6 steps + up to 6 while the runtime split is still choosing.
 # Usage (repo root; carry ["wheelhouse"]): [END_S=<s>] bash results/update_path/chain_pinning.sh K <git sha>
@@ -62,6 +64,13 @@ case $K in
     new timeout_s=170 'sweep.models=[qwen2.5-14b]' time_budget_s=$(budget "$end") \
       "$(pts qwen2.5-14b 16 tiered_cpu_pinned tiered_hybrid tiered_hybrid_bf16)"
     ;;
-  *) say "K must be 0, 1, 2 or 3"; exit 2 ;;
+  4)
+    build_kernels
+    new timeout_s=150 'sweep.models=[qwen2.5-7b]' time_budget_s=$(budget $((end - 150))) \
+      "$(pts qwen2.5-7b 8 streaming_cpu_pinned streaming_hybrid)"
+    new timeout_s=110 'sweep.models=[qwen2.5-3b]' time_budget_s=$(budget "$end") \
+      "$(pts qwen2.5-3b 16 streaming_cpu_pinned streaming_hybrid)"
+    ;;
+  *) say "K must be 0-4"; exit 2 ;;
 esac
 say done
