@@ -62,12 +62,12 @@ class EngineConfig:
     # Which host-tier state is page-locked (cudaHostRegister; CUDA with pin_memory only): "stream" (the default:
     # the buffer that crosses PCIe, the fp32 master or the bf16 shadow with stream_dtype="bf16") or "all" (the
     # master, AdamW m and v and the shadow; one that cannot be registered stays pageable, with a warning).
-    # Why "all" exists: in some update_path runs the CPU kernel updated all the host-tier groups 1.2-1.8x
-    # faster in the hybrid's process, whose GPU path page-locks m and v, than in the CPU path's (H200 7B
-    # 8x1024 at 3b6c5ca: host update busy 1.05 vs 1.86 s; H100 at 814484a: 1.59 vs 1.98 fp32, 1.36-1.69 vs
-    # 2.26-2.38 with the bf16 shadow), in others not (H100 at 86bb81e: 1.85 vs 1.67). Not measured as such
-    # yet: "stream" stays the default until a same-run A/B on the GPU nodes says (results/update_path/
-    # chain_pinning.sh; results/update_path_pinning_h100_2026-12-07.md).
+    # Measured (H100, ec20ff4, 2026-12-07d): no gain. The kernel alone on 2e9 params, pageable -> page-locked ->
+    # pageable again: 3.56 / 4.10 / 4.22 Gparam/s (the first phase warms; locked = pageable within 3 %), under
+    # H2D+D2H copies 1.57 / 1.51 / 1.49; the 7B 8x1024 CPU path in the same runner 131.8 vs 132.8 TFLOPS fp32,
+    # 110.0 vs 107.8 with the bf16 shadow (results/update_path_pinning_h100_2026-12-07d.md). The lead that made
+    # it (the hybrid's CPU kernel faster than the CPU path's) was an off-by-one in the analysis. Kept as a
+    # setting for hosts where page-locking may matter; "stream" stays the default.
     pin_host_state: str = "stream"
     # Refuse to build unless estimate <= available host RAM - margin.
     host_margin_gib: float = 2.0

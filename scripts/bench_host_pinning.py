@@ -1,9 +1,8 @@
 """The host AdamW update on pageable against page-locked (cudaHostRegister) state, on this machine's CPU.
 
-Why: in some update_path rows (H100 and H200 nodes) the CPU kernel updated the same groups 1.2-1.8x faster
-in a process whose m and v were page-locked (the hybrid's GPU path registers them) than in the CPU path's,
-where only the streamed buffer was; in others not (EngineConfig.pin_host_state,
-results/update_path_pinning_h100_2026-12-07.md).
+Why: whether EngineConfig.pin_host_state="all" (master, m, v page-locked) speeds the CPU kernel. Measured on an
+H100 node (2026-12-07d, results/update_path_pinning_h100_2026-12-07d.md): no (locked within 3 % of the second
+pageable phase, alone and under copies). The lead that asked for it was an off-by-one in an analysis script.
 This times the kernel alone on one set of buffers, in the order A-B-A so that a drift with time (page
 placement, a warming machine) shows as A != A:
 
