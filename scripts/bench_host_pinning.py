@@ -11,7 +11,9 @@ placement, a warming machine) shows as A != A:
 Each phase runs passes over ``--params`` parameters (fp32 p, m, v, a bf16 gradient; chunks of
 ``megatrain.grad_offload.CHUNK_ELEMS`` as the engine's worker feeds them) for at least ``--seconds`` seconds;
 its time is the median pass. With ``--copies`` pinned H2D and D2H copies run meanwhile (the step's weight and
-gradient traffic). Prints one JSON line per phase (and the node's NUMA / transparent-huge-page settings),
+gradient traffic), and each line also gives their rate each way (``h2d_gbs``, ``d2h_gbs``) and the host memory
+traffic of the whole (``host_gbs``, see ``host_traffic_gbs``: the number that bounds a pure-streaming step when
+the CPU kernel and the copies share the host's memory). Prints one JSON line per phase (and the node's NUMA / transparent-huge-page settings),
 appends them to ``--out``; exits 1 without CUDA or without the C++ kernel (nothing the engine runs).
 
     python scripts/bench_host_pinning.py --params 2e9 --seconds 8 --out $OUT/pinning.jsonl
@@ -45,6 +47,17 @@ def node_facts() -> dict:
     return {"numa_nodes": len(nodes) or None, "numa_balancing": read("/proc/sys/kernel/numa_balancing"),
             "thp_enabled": read("/sys/kernel/mm/transparent_hugepage/enabled"),
             "thp_defrag": read("/sys/kernel/mm/transparent_hugepage/defrag")}
+
+
+# Host memory bytes the fused AdamW moves per parameter: p, m, v read and written in fp32 (24) + the bf16
+# gradient read (2). Caches do not hold any of it (every pass streams 2e9-parameter buffers).
+KERNEL_BYTES_PER_PARAM = 26
+
+
+def host_traffic_gbs(gparam_per_s: float, h2d_gbs: float = 0.0, d2h_gbs: float = 0.0) -> float:
+    """Host memory traffic (GB/s) of the kernel and the copies together: Gparam/s x KERNEL_BYTES_PER_PARAM
+    + the H2D copies (read from host memory) + the D2H copies (written to it)."""
+    return gparam_per_s * KERNEL_BYTES_PER_PARAM + h2d_gbs + d2h_gbs
 
 
 def main(argv=None) -> int:
@@ -91,14 +104,14 @@ def main(argv=None) -> int:
         times, t_end = [], time.perf_counter() + a.seconds
         while time.perf_counter() < t_end or len(times) < 3:
             times.append(one_pass())
-        if copier:
-            copier.stop()
+        rates = copier.stop() if copier else (0.0, 0.0)
         if phase == "page_locked":
             for t in state:
                 unpin(t)
         med = statistics.median(times)
         rows.append(dict(facts, phase=phase, passes=len(times), median_s=med, gparam_per_s=n / med / 1e9,
-                         min_s=min(times), max_s=max(times)))
+                         min_s=min(times), max_s=max(times), h2d_gbs=rates[0], d2h_gbs=rates[1],
+                         host_gbs=host_traffic_gbs(n / med / 1e9, *rates)))
     base = rows[0]["median_s"]
     for r in rows:
         r["vs_pageable"] = base / r["median_s"]  # > 1: faster than the first pageable phase
@@ -110,9 +123,11 @@ def main(argv=None) -> int:
 
 
 class _Copies:
-    """Pinned H2D and D2H copies of 256 MiB, re-queued until ``stop`` (each direction on its own stream)."""
+    """Pinned H2D and D2H copies of 256 MiB, re-queued until ``stop`` (each direction on its own stream);
+    ``stop`` returns the GB/s each way over the window (bytes of the copies completed / start-to-stop time)."""
 
     def __init__(self, nbytes: int = 256 << 20):
+        self.nbytes = nbytes
         self.host = [pin_in_place(torch.empty(nbytes, dtype=torch.uint8), "a benchmark copy buffer")
                      for _ in range(2)]
         self.dev = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
@@ -123,7 +138,7 @@ class _Copies:
     def start(self) -> None:
         import threading
 
-        self._run = True
+        self._run, self._rounds, self._t0 = True, 0, time.perf_counter()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
@@ -134,12 +149,15 @@ class _Copies:
                     dst.copy_(src, non_blocking=True)
             for s in self.streams:
                 s.synchronize()  # a bounded queue: the loop stops within one copy of stop()
+            self._rounds += 1  # one copy each way done
 
-    def stop(self) -> None:
+    def stop(self) -> tuple[float, float]:
         self._run = False
         if self._thread is not None:
             self._thread.join()
         torch.cuda.synchronize()
+        gbs = self._rounds * self.nbytes / (time.perf_counter() - self._t0) / 1e9
+        return gbs, gbs  # the loop waits for both directions each round: equal counts
 
 
 if __name__ == "__main__":

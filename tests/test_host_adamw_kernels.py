@@ -316,4 +316,7 @@ def test_bench_host_pinning_times_pageable_locked_pageable_on_one_set_of_buffers
     assert rows[0]["vs_pageable"] == 1.0 and "numa_balancing" in rows[0] and rows[0]["gpu"] == "a fake GPU"
     assert sorted(nb for _, nb in fake.registered) == sorted([20000 * 4] * 3 + [20000 * 2])  # p, m, v, bf16 g
     assert sorted(fake.unregistered) == sorted(ptr for ptr, _ in fake.registered)
+    # without --copies the host traffic is the kernel's alone: 26 B/param (p, m, v read + written, bf16 g read)
+    assert all(r["h2d_gbs"] == 0 and r["host_gbs"] == pytest.approx(26 * r["gparam_per_s"]) for r in rows)
+    assert bench.host_traffic_gbs(1.5, 40.0, 40.0) == pytest.approx(1.5 * 26 + 80)
     assert bench.main(["--params", "0"]) == 2
