@@ -13,6 +13,8 @@
 #       the hybrid with the bf16 shadow streamed (its host RAM may not fit: the plan then refuses, one row says why)
 #   K=4 (~7 min; 2026-12-07d, after K=0 and 1 showed no gain from "all"): clipping fires, the CPU path and the
 #       hybrid as they run by default (pin_host_state "stream"), 7B fp32 8x1024 then 3B 16x1024
+#   K=5 (~5 min): the kernel under copies with the host memory traffic (bench_host_pinning --copies: host_gbs),
+#       then the 7B fp32 default pair of K=4
 # On an 80 GB card (H100) the 14B points are left out (they do not fit beside this host's RAM).
 # Each runner: one process per point; warm-up 6 steps + up to 6 while the runtime split is still choosing.
 # Usage (repo root; carry ["wheelhouse"]): [END_S=<s>] bash results/update_path/chain_pinning.sh K <git sha>
@@ -71,6 +73,15 @@ case $K in
     new timeout_s=110 'sweep.models=[qwen2.5-3b]' time_budget_s=$(budget "$end") \
       "$(pts qwen2.5-3b 16 streaming_cpu_pinned streaming_hybrid)"
     ;;
-  *) say "K must be 0-4"; exit 2 ;;
+  5)
+    build_kernels
+    say "host kernel under copies: host memory traffic"
+    PYTHONPATH=. python3 scripts/bench_host_pinning.py --params 2e9 --seconds 6 --copies --out "$OUT/pinning.jsonl" \
+      >> "$OUT/pin5.log" 2>&1
+    say "bench exit $?"
+    new timeout_s=150 'sweep.models=[qwen2.5-7b]' time_budget_s=$(budget "$end") \
+      "$(pts qwen2.5-7b 8 streaming_cpu_pinned streaming_hybrid)"
+    ;;
+  *) say "K must be 0-5"; exit 2 ;;
 esac
 say done
