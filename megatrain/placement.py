@@ -43,6 +43,12 @@ from .chunked_mlp import AUTO_MIN_TOKENS, resolve_chunk
 
 GIB = 2**30
 CONTESTED_GAIN = 0.05  # a plan with fewer GPU-tier groups must be predicted this much faster to be chosen
+# An explicit "hybrid" whose first split is the CPU path alone but whose contested or hedged split takes groups
+# keeps its GPU path (candidates the runtime's measured step times try) where the staging costs no GPU-tier
+# layer and at most this fraction of the CPU plan's predicted step (kept activation blocks given up for it: on
+# pure streaming one block of ~26, ~0.5 %). Measured (H100, 5bbd259, 3B 16x1024 pure streaming, clipping
+# fires): planned as cpu for one kept block, the hybrid ran 0.95x the CPU path; built, 1.09x (two calls).
+HEDGE_COST = 0.01
 # micro_batch_schedule="auto" considers "sequential" only from this many tokens per micro-batch: below it a
 # layer's GEMMs run less efficiently, which the step-time model does not know (the best all-on-GPU 3B runs
 # on the H200 used micro-batches of 8 x 1024 tokens).
@@ -373,24 +379,30 @@ def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool
             # The engine's split at these rates gives the GPU path nothing in the steps the plan models (clipping
             # firing): keep no staging for it (a speculative step's prefix alone does not pay for a GPU-tier layer)
             # -- unless the runtime builds candidates all the same (a contested split within MODEL_DOUBT, or the
-            # hedge at CPU rates CPU_DOUBT slower: ``Split.beyond_plan``) and the staging costs nothing the CPU
-            # plan has (the same tiers and kept blocks, e.g. pure streaming): then the runtime starts on the CPU
-            # path alone and its measured step times decide.
+            # hedge at CPU rates CPU_DOUBT slower: ``Split.beyond_plan``) and the staging costs no GPU-tier layer
+            # and at most HEDGE_COST of the CPU plan's predicted step (a kept block or so, e.g. pure streaming):
+            # then the runtime starts on the CPU path alone and its measured step times decide.
             cpu = _plan_path(numels, shape, grads, args, "cpu", staging_reserve)
             contested = int(out.prediction.parts.get("gpu_path_contested", 0)) if out.prediction else 0
-            if contested and cpu.tiers == out.tiers and cpu.kept_blocks == out.kept_blocks:
+            if contested and cpu.tiers == out.tiers and _staging_cost(out, cpu) <= HEDGE_COST:
                 out.update_path_setting = "hybrid"
                 out.update_path_reason = (f"hybrid: the split at the update rates ({_rates_text(rates)}) gives the "
                                           f"GPU path no group first ({out.prediction.split_reason}), but a split "
                                           f"within {update_split.MODEL_DOUBT:.0%} of the CPU path alone, or one at CPU "
                                           f"rates {1 + update_split.CPU_DOUBT:.1f}x slower than measured, takes some and "
-                                          f"its staging costs no GPU-tier layer: {contested} contested groups built "
+                                          f"its staging costs no GPU-tier layer"
+                                          f"{_cost_text(out, cpu)}: {contested} contested groups built "
                                           f"as candidates, the runtime's measured step times decide")
                 return out
             cpu.update_path_setting = "hybrid"
+            cost = ""
+            if contested:  # a split to try exists: say what its staging would have cost
+                cost = ("; the contested split's staging would cost a GPU-tier layer" if cpu.tiers != out.tiers else
+                        f"; keeping staging for the contested split would cost {_staging_cost(out, cpu):+.1%} of the "
+                        f"predicted step (more than {HEDGE_COST:.0%})")
             cpu.update_path_reason = (f"hybrid asked, but the split at the update rates ({_rates_text(rates)}) gives "
                                       f"the GPU path none of the {len(out.host_names)} host-tier groups "
-                                      f"({out.prediction.split_reason}): planned as cpu, no GPU staging kept")
+                                      f"({out.prediction.split_reason}{cost}): planned as cpu, no GPU staging kept")
             return cpu
         return out
     # "auto": the plan for each path (the hybrid one keeps its staging free), the faster by the model; the
@@ -415,6 +427,21 @@ def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool
                                  f"{'' if gpu_groups else ': ' + hybrid.prediction.split_reason}; update rates "
                                  f"{_rates_text(rates)})")
     return chosen
+
+
+def _staging_cost(hybrid: Placement, cpu: Placement) -> float:
+    """What keeping the GPU path's staging free costs against the CPU plan: the hybrid placement's predicted
+    step with the CPU path alone (its first split) over the CPU plan's, minus 1 (kept blocks or a gradient
+    home given up for the staging)."""
+    if not (hybrid.prediction and cpu.prediction and cpu.prediction.step_s > 0):
+        return math.inf
+    return hybrid.prediction.step_s / cpu.prediction.step_s - 1
+
+
+def _cost_text(hybrid: Placement, cpu: Placement) -> str:
+    fewer = len(cpu.kept_blocks) - len(hybrid.kept_blocks)
+    return (f" and {_staging_cost(hybrid, cpu):+.1%} of the CPU plan's predicted step (within {HEDGE_COST:.0%}"
+            f"{f'; {fewer} kept block(s) fewer' if fewer > 0 else ''})")
 
 
 def _gpu_path_groups(placement: Placement) -> int:

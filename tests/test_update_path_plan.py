@@ -315,3 +315,38 @@ def test_hedged_candidates_start_on_the_cpu_path_then_take_the_gpu_path_and_matc
     assert_parity(hf, cfg, batches(spec, steps=4), engine_kwargs=dict(rates=cost_model.Rates(update=far)),
                   stats_out=stats)
     assert routed[0] == 0 and routed[-1] > 0 and stats["gpu_path_groups"] > 0 and stats["cpu_groups"] > 0
+
+
+def test_a_contested_hybrid_may_give_up_a_kept_block_for_its_staging_within_hedge_cost():
+    """Pure streaming where the GPU path's staging takes the room of kept activation blocks (the 3B 16x1024
+    row on the H100 at 5bbd259: 26 kept for the CPU path, 25 with staging; planned as cpu the hybrid ran 0.95x
+    the CPU path, built 1.09x): an explicit "hybrid" whose first split is the CPU path alone keeps its
+    contested candidates where the staging costs at most HEDGE_COST of the CPU plan's predicted step, and is
+    planned as cpu beyond it, saying what the staging would have cost."""
+    from test_step_model_choices import _shape
+
+    layers = 36
+    numels = {"embed": 5_000_000, **{f"layer.{i}": 5_000_000 for i in range(layers)}, "final": 5_000_000}
+    shape = _shape(recompute="auto", mlp_chunk_tokens=-1, num_layers=layers, compute_bytes=2,
+                   tokens_per_micro_batch=16384)
+    rates = cost_model.Rates(update=dataclasses.replace(H100_LIKE, cpu_gps=7.0, cpu_loaded_gps=4.62))
+
+    def plans(gpu_gib):
+        kw = dict(setting="0", on_gpu=True, gpu_free=gpu_gib * GIB, host_available=1 << 40, gpu_margin=0,
+                  host_margin=0, rates=rates, staging_reserve=GIB)
+        return (P.plan(numels, shape, update_path="cpu", **kw), P.plan(numels, shape, update_path="hybrid", **kw),
+                P.plan(numels, shape, update_path="hybrid", gpu_path_forced=True, **kw))
+
+    cpu, hybrid, built = plans(12)
+    assert len(built.kept_blocks) == len(cpu.kept_blocks) - 1 and built.prediction.parts["gpu_path_groups"] == 0
+    cost = built.prediction.step_s / cpu.prediction.step_s - 1
+    assert 0 < cost <= P.HEDGE_COST and built.prediction.parts["gpu_path_contested"] > 0
+    assert hybrid.update_path == "hybrid" and hybrid.kept_blocks == built.kept_blocks
+    assert "1 kept block(s) fewer" in hybrid.update_path_reason
+    assert "contested groups built as candidates" in hybrid.update_path_reason
+
+    cpu, hybrid, built = plans(16)  # two blocks fewer with staging: past HEDGE_COST
+    assert built.prediction.step_s / cpu.prediction.step_s - 1 > P.HEDGE_COST
+    assert hybrid.update_path == "cpu" and hybrid.kept_blocks == cpu.kept_blocks
+    assert "keeping staging for the contested split would cost +1." in hybrid.update_path_reason
+    assert hybrid.update_path_reason.endswith("planned as cpu, no GPU staging kept")
