@@ -350,3 +350,32 @@ def test_a_contested_hybrid_may_give_up_a_kept_block_for_its_staging_within_hedg
     assert hybrid.update_path == "cpu" and hybrid.kept_blocks == cpu.kept_blocks
     assert "keeping staging for the contested split would cost +1." in hybrid.update_path_reason
     assert hybrid.update_path_reason.endswith("planned as cpu, no GPU staging kept")
+
+
+def test_the_3b_row_planned_as_cpu_on_the_h100_now_builds_its_candidates():
+    """The 3B 16x1024 pure-streaming hybrid of results/update_path_pinning_h100_c (H100, 5bbd259), planned again
+    at the update rates its build measured (CPU 4.97 Gparam/s, 2.99 under copies; link 42.9 / 50.2 GB/s) on the
+    GPU it saw (72.3 GiB usable): the CPU plan keeps 26 blocks (predicted 1.187 s; the row says 1.186), the
+    hybrid's staging costs one (+0.5 %). Under the rule before HEDGE_COST this was "planned as cpu" (the row's
+    reason line: the split would take 0.652 s) and the hybrid ran 0.95x the CPU path; the GPU path built in the
+    next call ran 1.09x. Now the contested candidates are built."""
+    from megatrain.config import EngineConfig
+
+    spec = PRESETS["qwen2.5-3b"]
+    rates = cost_model.Rates(update=dataclasses.replace(cost_model.Rates().update_rates(), cpu_gps=4.97,
+                                                        cpu_loaded_gps=2.99, h2d_gbs=42.9, d2h_gbs=50.2))
+
+    def plan(update_path):
+        cfg = EngineConfig(gpu_resident="0", update_path=update_path)
+        shape = memory.step_shape(cfg, num_layers=spec.num_layers, hidden=spec.hidden_size,
+                                  ffn=spec.intermediate_size, vocab=spec.vocab_size, tokens_per_micro_batch=16384,
+                                  compute_bytes=2, on_gpu=True, seq_len=1024)
+        return P.plan(memory.spec_group_numels(spec), shape, setting="0", on_gpu=True, gpu_free=int(78.3 * GIB),
+                      host_available=123 * GIB, gpu_margin=6 * GIB, host_margin=2 * GIB, grads="auto", rates=rates,
+                      update_path=update_path, staging_reserve=GIB)
+
+    cpu, hybrid = plan("cpu"), plan("hybrid")
+    assert len(cpu.kept_blocks) == 26 and cpu.prediction.step_s == pytest.approx(1.186, abs=0.01)
+    assert hybrid.update_path == "hybrid" and len(hybrid.kept_blocks) == 25
+    assert hybrid.prediction.parts["gpu_path_groups"] == 0 and hybrid.prediction.parts["gpu_path_contested"] > 0
+    assert "+0.5% of the CPU plan's predicted step" in hybrid.update_path_reason
