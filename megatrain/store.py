@@ -75,9 +75,9 @@ class ModelStore:
         """``shared``: (group, "master" | "m" | "v" | "shadow") -> a zero-filled tensor to use instead of a
         private allocation (data parallel: the node's host tier in shared memory, megatrain/distributed.py).
         ``pin``: page-lock each host-tier group's streamed buffer (the master, or the shadow); a failure raises.
-        ``pin_all`` (with ``pin``; EngineConfig.pin_host_state="all"): page-lock its master, m and v too (in some
-        runs the CPU kernel ran faster on page-locked state, megatrain/config.py); one that cannot be
-        registered stays pageable (correct, only slower), with a warning."""
+        ``pin_all`` (with ``pin``; EngineConfig.pin_host_state="all"): page-lock its master, m and v too (measured
+        no faster on an H100, megatrain/config.py); one that cannot be registered stays pageable (correct), with
+        a warning."""
         self.groups = groups
         self.by_name = {g.name: g for g in groups}
         self.devices = dict(devices)
