@@ -15,6 +15,8 @@
 #       hybrid as they run by default (pin_host_state "stream"), 7B fp32 8x1024 then 3B 16x1024
 #   K=5 (~5 min): the kernel under copies with the host memory traffic (bench_host_pinning --copies: host_gbs),
 #       then the 7B fp32 default pair of K=4
+#   K=6 (~6 min; session 2026-12-07e): clipping fires, 7B pure streaming 8x1024 as they run by default: the CPU
+#       path, the hybrid, the hybrid with the bf16 shadow (issue 23's 7B >= 200 target on an H200)
 # On an 80 GB card (H100) the 14B points are left out (they do not fit beside this host's RAM).
 # Each runner: one process per point; warm-up 6 steps + up to 6 while the runtime split is still choosing.
 # Usage (repo root; carry ["wheelhouse"]): [END_S=<s>] bash results/update_path/chain_pinning.sh K <git sha>
@@ -82,6 +84,11 @@ case $K in
     new timeout_s=150 'sweep.models=[qwen2.5-7b]' time_budget_s=$(budget "$end") \
       "$(pts qwen2.5-7b 8 streaming_cpu_pinned streaming_hybrid)"
     ;;
-  *) say "K must be 0-5"; exit 2 ;;
+  6)
+    build_kernels
+    new timeout_s=150 'sweep.models=[qwen2.5-7b]' time_budget_s=$(budget "$end") \
+      "$(pts qwen2.5-7b 8 streaming_cpu_pinned streaming_hybrid streaming_hybrid_bf16)"
+    ;;
+  *) say "K must be 0-6"; exit 2 ;;
 esac
 say done
