@@ -8,7 +8,9 @@ the (pinned) host store, in chunks through two rotating buffers. The updated mas
 from the updated master on the GPU, the very bits downloaded into the host shadow), and every load of the
 group until its next update casts it into its slot from there (``device_source``): the next forward's and
 the backward's (no load over the link, no wait for the download); otherwise a load reads host RAM once the
-download has landed. The gradient is
+download has landed. A kept fp32 master that still equals the host master bit for bit (the group's last
+update was this path's, into that buffer) is not uploaded again at the group's next update: only m and v
+go up (8 B/param instead of 12). The gradient is
 used where it waits (on the GPU; uploaded first with grad_placement="host"). With prefetch, a group's state
 goes up during the backward instead.
 
@@ -124,6 +126,12 @@ class StreamedAdamW:
         # Kept masters holding the group's current master (its last update's), which every load reads until the
         # group's next update (or a step routed to the CPU path) makes them stale.
         self._fresh: set[str] = set()
+        # Kept fp32 masters equal to the host master bit for bit (the group's last update was this path's, which
+        # downloaded that very buffer): the next update of the group reads it in place, no upload. Unlike
+        # ``_fresh`` this survives ``finish`` for the groups routed here again (loads no longer read it then,
+        # but the bits are the same); a step routed elsewhere, or new buffers, drop it.
+        self._current: set[str] = set()
+        self.h2d_bytes = 0  # bytes this path queued host -> GPU (state and gradients), cumulative
         self._prefetched: dict[str, object] = {}  # this step's prefetched groups -> event after their upload
         self._pending: tuple | None = None  # (step, coef, grads, prefetched) of a finished step, not issued yet
         self.wait_timer = WaitTimer(streams)  # loads' GPU waits for this path
@@ -160,6 +168,7 @@ class StreamedAdamW:
         if self.streams.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.up)  # old buffers are freed after their use
         self._fresh.clear()
+        self._current.clear()  # new buffers
         self._allocate(set(names))
         return [x for x in self.names if x in self.full]
 
@@ -193,9 +202,12 @@ class StreamedAdamW:
                 self.up.wait_stream(s.h2d)  # the forward's cast of the kept master was queued on H2D before
             if self._down.get(name) is not None:
                 self.up.wait_event(self._down[name])
-            buf[:n].copy_(st.master[name], non_blocking=True)
+            if name not in self._current:  # else the buffer holds the host master's bits already
+                buf[:n].copy_(st.master[name], non_blocking=True)
+                self.h2d_bytes += 4 * n
             buf[n:2 * n].copy_(st.m[name], non_blocking=True)
             buf[2 * n:].copy_(st.v[name], non_blocking=True)
+            self.h2d_bytes += 8 * n
             self._prefetched[name] = s.record(self.up)
 
     def finish(self, step: int, coef: float | None) -> None:
@@ -208,6 +220,9 @@ class StreamedAdamW:
         # Kept masters are stale from here for groups this step's update does not reach (routed to the CPU path,
         # or a skipped step); ``_issue`` marks the ones it updates fresh again.
         self._fresh.clear()
+        # The host master of a group not routed here may change now (the CPU path updates it): its kept buffer
+        # is no longer known to match. (A skipped step changes nothing, but is rare: dropped too.)
+        self._current &= set(grads)
         self._pending = (step, coef, grads, prefetched)
 
     def flush(self) -> None:
@@ -239,6 +254,8 @@ class StreamedAdamW:
             n, kept = st.by_name[name].numel, self.kept.get(name)
             has_shadow = st.shadow is not None and name in st.shadow
             kept_master = kept if kept is not None and not has_shadow else None  # updated in place
+            # The kept master holds the host master's bits (its last update was here): m and v go up alone.
+            reuse = kept_master is not None and name in self._current
             st.steps[name].add_(1)  # host count (checkpoints read it); the kernel wants it on the device
             with s.use(self.up):
                 if self._down.get(name) is not None:  # this group's host state is complete (last update)
@@ -262,12 +279,16 @@ class StreamedAdamW:
                 with s.use(self.up):
                     if self.rot_free[b] is not None:  # the buffer's previous chunk has been downloaded
                         self.up.wait_event(self.rot_free[b])
-                    p.copy_(st.master[name][a:e], non_blocking=True)
+                    if not reuse:
+                        p.copy_(st.master[name][a:e], non_blocking=True)
+                        self.h2d_bytes += 4 * k
                     m.copy_(st.m[name][a:e], non_blocking=True)
                     v.copy_(st.v[name][a:e], non_blocking=True)
+                    self.h2d_bytes += 8 * k
                     g = flat[a:e]
                     if g.device != self.device:
                         g = g.to(self.device, non_blocking=True)
+                        self.h2d_bytes += g.numel() * g.element_size()
                         s.keep_alive(g, self.upd)  # read by the update stream
                     uploaded = s.record(self.up)
                 with s.use(self.upd):
@@ -297,6 +318,8 @@ class StreamedAdamW:
             self._down[name], self._updated[name] = done, updated
             if kept is not None:
                 self._fresh.add(name)
+            if kept_master is not None:  # its download copies these very bits to the host master
+                self._current.add(name)
             self.updates += 1
         if cuda and done is not None:
             self._spans.append((start, done))
@@ -316,6 +339,7 @@ class StreamedAdamW:
                 s.keep_alive(flat, self.upd)
             else:
                 self.upd.wait_event(ready)  # grad_placement="host": its D2H copy has landed
+                self.h2d_bytes += flat.numel() * flat.element_size()  # uploaded chunk by chunk below
             for a in range(0, n, self.chunk):  # chunk by chunk: one chunk's fp32 gradient at a time
                 e = min(n, a + self.chunk)
                 g = flat[a:e]
@@ -336,6 +360,8 @@ class StreamedAdamW:
         self._down[name], self._updated[name] = done, updated
         if name in self.kept:
             self._fresh.add(name)
+            if shadow is None:  # the kept master is buf[:n], downloaded just now
+                self._current.add(name)
         self.updates += 1
         return done
 
