@@ -459,3 +459,33 @@ def test_parity_kept_bf16_shadow_against_pytorch(micro_batches):
     assert stats["gpu_path_groups"] > 0 and stats["cpu_groups"] > 0
     assert_matches_reference(hf, init, losses, final, data, micro_batches, weight_rtol=BF16_WEIGHT_RTOL,
                              stream_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("stream_dtype", ["fp32", "bf16"])
+def test_a_kept_master_goes_up_once_while_its_group_stays_on_the_gpu_path(stream_dtype):
+    """A GPU-path group whose kept fp32 master holds the host master's bits (its last update was this path's)
+    is updated in place: from its second update on only m and v go up (8 B/param, not 12), and the weights
+    still match plain PyTorch (a stale buffer reused after a CPU-path update fails
+    test_runtime_split.py::test_engine_parity_while_the_runtime_split_changes). With a bf16 shadow the kept
+    copy is the shadow, so the master goes up every time. ``gpu_path_h2d_bytes``: what the path queued up in
+    the step (a step issues the previous step's update)."""
+    spec = PRESETS["tiny-llama"]
+    hf = spec.to_hf_config("eager")
+    cfg = hybrid_cfg(micro_batches=1, stream_dtype=stream_dtype)
+    data = batches(spec)
+    engine = MegaTrain.from_config(hf, cfg, verbose=False)
+    gpu_params = sum(engine.store.by_name[x].numel for x in FORCED.split(",") if x in engine.store.by_name)
+    kept = set(engine.host_tier.gpu.kept)
+    assert kept == {x for x in FORCED.split(",") if x in engine.store.by_name}  # all kept: the CPU staging holds them
+    init = {k: v.clone() for k, v in engine.state_dict().items()}
+    losses, up = [], []
+    for b in data:
+        losses.append(engine.step(b).loss)
+        up.append(engine.stats["gpu_path_h2d_bytes"])
+    final = {k: v.clone() for k, v in engine.state_dict().items()}
+    engine.close()
+    if stream_dtype == "fp32":
+        assert_matches_reference(hf, init, losses, final, data, micro_batches=1)
+    # step 0 issued nothing; step 1 the first update (p, m, v); then m, v only where the master is kept fp32
+    later = 12 if stream_dtype == "bf16" else 8
+    assert up == [0, 12 * gpu_params] + [later * gpu_params] * (len(data) - 2), (up, gpu_params)
