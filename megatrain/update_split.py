@@ -9,7 +9,9 @@ The host tier's AdamW has two paths that run at the same time (megatrain/host_ti
   master (H2D, ``stream_bytes``/param).
 * **GPU**: fp32 master, m and v go up (12 B/param H2D), the fused CUDA AdamW updates them, and they come
   back (12 B/param D2H); the updated master feeds the next forward's cast on the GPU, so that group's load
-  costs nothing more. PCIe-bound: ~3.8 Gparam/s at 46 GB/s each way.
+  costs nothing more. Where that kept master is fp32 it still holds the host master's bits at the group's
+  next update, so only m and v go up then (8 B/param; ``kept_master``). PCIe-bound: ~3.8 Gparam/s at 46 GB/s
+  each way (12 B up), ~5.8 with kept masters (the D2H direction bounds it then).
 
 ``plan_split`` is a pure function of these rates: it walks the groups in the order the next forward needs
 them and gives each to the path that would finish it first (list scheduling over three clocks: the CPU,
@@ -148,16 +150,18 @@ def _cpu_only_s(numels: list[tuple[str, int]], rates: UpdateRates, head_start_s:
 
 def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative: bool = False,
                backward_s: float = 0.0, stream_bytes: int = 4, grad_bytes: int = 2, grad_up_bytes: int = 0,
-               gpu_load_bytes: int = 0, max_numel: int | None = None, max_gpu_groups: int | None = None,
-               prefetched: frozenset = frozenset(), eligible: frozenset | None = None,
-               assign: frozenset | None = None) -> Split:
+               gpu_load_bytes: int = 0, kept_master: bool = False, max_numel: int | None = None,
+               max_gpu_groups: int | None = None, prefetched: frozenset = frozenset(),
+               eligible: frozenset | None = None, assign: frozenset | None = None) -> Split:
     """Split ``numels`` ((group, numel) in the next forward's order) between the CPU and GPU update paths.
 
     ``stream_bytes``: per-param bytes the forward loads for a CPU-path group (4 fp32 master, 2 bf16 shadow);
     ``grad_bytes``: per-param bytes of the gradient the CPU path pulls to the host (2 bf16, 4 fp32; 0 when
     it is already there); ``grad_up_bytes``: per-param bytes of gradient the GPU path must upload (0 when
     the gradient waits on the GPU; 4 with grad_placement="host"); ``gpu_load_bytes``: per-param bytes the
-    forward still loads for a GPU-path group (0 when its updated master is kept on the GPU). ``max_numel``: groups larger than this do
+    forward still loads for a GPU-path group (0 when its updated master is kept on the GPU); ``kept_master``: that
+    kept copy is the fp32 master, so a group the GPU path keeps updating uploads only m and v (8 B/param; the
+    model predicts the steady state of a split: its first step after the CPU path uploads 12). ``max_numel``: groups larger than this do
     not fit the staging buffers and stay on the CPU path. ``max_gpu_groups``: a cap on the GPU path's size.
     ``prefetched``: groups whose state went up during the backward (``prefetch_set``): on the GPU path, only
     their download (12 B/param D2H) is left after the norm.
@@ -173,8 +177,8 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
     if pre:  # the rest is split as usual; the prefetched groups' downloads share the D2H link
         rest = plan_split([(x, n) for x, n in numels if x not in prefetched], rates, speculative=speculative,
                           backward_s=backward_s, stream_bytes=stream_bytes, grad_bytes=grad_bytes,
-                          grad_up_bytes=grad_up_bytes, gpu_load_bytes=gpu_load_bytes, max_numel=max_numel,
-                          max_gpu_groups=max_gpu_groups, eligible=eligible,
+                          grad_up_bytes=grad_up_bytes, gpu_load_bytes=gpu_load_bytes, kept_master=kept_master,
+                          max_numel=max_numel, max_gpu_groups=max_gpu_groups, eligible=eligible,
                           assign=None if assign is None else assign - prefetched)
         gpu = [x for x, _ in numels if x in prefetched or x in set(rest.gpu)]
         return Split(gpu, rest.cpu, max(rest.predicted_s, pre_d2h), _cpu_only_s(numels, rates, backward_s if speculative else 0.0),
@@ -188,7 +192,8 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
     only = _cpu_only_s(numels, rates, head)
     if (not can or max_gpu_groups == 0) and not assign:
         return Split([], [x for x, _ in numels], only, only, "no group fits the staging buffers")
-    up_b, down_b = STATE_BYTES + grad_up_bytes + gpu_load_bytes, STATE_BYTES  # (the load shares the H2D link)
+    # (the load shares the H2D link; a kept fp32 master does not go up again)
+    up_b, down_b = STATE_BYTES - (4 if kept_master else 0) + grad_up_bytes + gpu_load_bytes, STATE_BYTES
 
     def gpu_time(gpu_numels: list[int]) -> float:
         # Uploads and downloads pipeline (the download of one group under the upload of the next): the
@@ -221,8 +226,11 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
     for x, n in numels:
         fits = allowed(x, n) and (max_gpu_groups is None or len(gpu) < max_gpu_groups)
         cpu_done = t_cpu + n / cpu_loaded
-        # Ready for the forward once up and updated (its master stays on the GPU for the forward's cast).
-        gpu_done = t_h2d + up_b * n / h2d + n / gpu_rate if fits or assign else float("inf")
+        # Ready for the forward once up and updated (its master stays on the GPU for the forward's cast). The
+        # chunks rotate through two buffers that downloads free: a group's update also waits for the downloads
+        # queued before it (binding where D2H is the slower direction: kept masters go up at 8 B/param, 12 come
+        # back).
+        gpu_done = max(t_h2d + up_b * n / h2d, t_d2h) + n / gpu_rate if fits or assign else float("inf")
         if (x in assign) if assign is not None else gpu_done < cpu_done:
             gpu.append(x)
             gpu_numels.append(n)
