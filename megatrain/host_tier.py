@@ -86,7 +86,8 @@ class HybridHostAdamW:
     def counters(self) -> dict[str, float]:
         busy, wait = self.gpu.settle() if self.gpu is not None else (0.0, 0.0)
         return dict(cpu_groups=self.cpu_groups, gpu_path_groups=self.gpu_path_groups, gpu_path_busy_s=busy,
-                    gpu_path_wait_s=wait, gpu_path_h2d_bytes=self.gpu.h2d_bytes if self.gpu is not None else 0)
+                    gpu_path_wait_s=wait, gpu_path_h2d_bytes=self.gpu.h2d_bytes if self.gpu is not None else 0,
+                    gpu_path_d2h_bytes=self.gpu.d2h_bytes if self.gpu is not None else 0)
 
     def observe_step(self, stats: dict) -> None:
         """After a step: its backward time sets how long a speculative CPU path runs before the norm (and,

@@ -8,9 +8,11 @@ the (pinned) host store, in chunks through two rotating buffers. The updated mas
 from the updated master on the GPU, the very bits downloaded into the host shadow), and every load of the
 group until its next update casts it into its slot from there (``device_source``): the next forward's and
 the backward's (no load over the link, no wait for the download); otherwise a load reads host RAM once the
-download has landed. A kept fp32 master that still equals the host master bit for bit (the group's last
-update was this path's, into that buffer) is not uploaded again at the group's next update: only m and v
-go up (8 B/param instead of 12). The gradient is
+download has landed. A kept fp32 master is the group's master of record: it is not downloaded after the
+update (m and v are) but written back to host RAM only when something there needs it (the CPU path taking
+the group, a load from host RAM, ``wait_all``: a save, ``state_dict``, ``close``), and it is not uploaded
+again at the group's next update: a group that stays on this path moves 8 B/param each way, not 12. The
+gradient is
 used where it waits (on the GPU; uploaded first with grad_placement="host"). With prefetch, a group's state
 goes up during the backward instead.
 
@@ -126,12 +128,16 @@ class StreamedAdamW:
         # Kept masters holding the group's current master (its last update's), which every load reads until the
         # group's next update (or a step routed to the CPU path) makes them stale.
         self._fresh: set[str] = set()
-        # Kept fp32 masters equal to the host master bit for bit (the group's last update was this path's, which
-        # downloaded that very buffer): the next update of the group reads it in place, no upload. Unlike
-        # ``_fresh`` this survives ``finish`` for the groups routed here again (loads no longer read it then,
-        # but the bits are the same); a step routed elsewhere, or new buffers, drop it.
+        # Kept fp32 masters that hold the group's master (its last update was this path's, into that buffer):
+        # the next update of the group reads it in place, no upload. Unlike ``_fresh`` this survives ``finish``
+        # for the groups routed here again (loads no longer read it then, but the bits are the master's); a
+        # step routed elsewhere, or new buffers, drop it (after a write-back, see ``_dirty``).
         self._current: set[str] = set()
+        # Of those, the ones whose host master is stale (not written back since the update): written back by
+        # ``_write_back`` before anything reads host RAM (host_ready, a load from host, wait_all).
+        self._dirty: set[str] = set()
         self.h2d_bytes = 0  # bytes this path queued host -> GPU (state and gradients), cumulative
+        self.d2h_bytes = 0  # bytes this path queued GPU -> host (state), cumulative
         self._prefetched: dict[str, object] = {}  # this step's prefetched groups -> event after their upload
         self._pending: tuple | None = None  # (step, coef, grads, prefetched) of a finished step, not issued yet
         self.wait_timer = WaitTimer(streams)  # loads' GPU waits for this path
@@ -168,7 +174,7 @@ class StreamedAdamW:
         if self.streams.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.up)  # old buffers are freed after their use
         self._fresh.clear()
-        self._current.clear()  # new buffers
+        self._current.clear()  # new buffers (wait_all wrote every kept master back)
         self._allocate(set(names))
         return [x for x in self.names if x in self.full]
 
@@ -220,8 +226,12 @@ class StreamedAdamW:
         # Kept masters are stale from here for groups this step's update does not reach (routed to the CPU path,
         # or a skipped step); ``_issue`` marks the ones it updates fresh again.
         self._fresh.clear()
-        # The host master of a group not routed here may change now (the CPU path updates it): its kept buffer
-        # is no longer known to match. (A skipped step changes nothing, but is rare: dropped too.)
+        # The host master of a group not routed here may change now (the CPU path updates it, after its
+        # ``host_ready`` wrote the kept master back): its kept buffer is no longer the master. (A skipped step
+        # changes nothing, but is rare: dropped too.)
+        if self._dirty - set(grads):  # HybridHostAdamW calls host_ready for such groups first
+            raise RuntimeError(f"GPU update path: the CPU path took {sorted(self._dirty - set(grads))} before their "
+                               f"kept masters were written back")
         self._current &= set(grads)
         self._pending = (step, coef, grads, prefetched)
 
@@ -304,9 +314,12 @@ class StreamedAdamW:
                     updated = s.record(self.upd)
                 with s.use(self.down):
                     self.down.wait_event(updated)
-                    st.master[name][a:e].copy_(p, non_blocking=True)
+                    if kept_master is None:  # a kept master stays the master of record (``_write_back``)
+                        st.master[name][a:e].copy_(p, non_blocking=True)
+                        self.d2h_bytes += 4 * k
                     st.m[name][a:e].copy_(m, non_blocking=True)
                     st.v[name][a:e].copy_(v, non_blocking=True)
+                    self.d2h_bytes += 8 * k
                     if shadow is not None:
                         s.keep_alive(shadow, self.down)
                         st.shadow[name][a:e].copy_(shadow, non_blocking=True)
@@ -318,8 +331,9 @@ class StreamedAdamW:
             self._down[name], self._updated[name] = done, updated
             if kept is not None:
                 self._fresh.add(name)
-            if kept_master is not None:  # its download copies these very bits to the host master
+            if kept_master is not None:  # the master of record now; host RAM gets it when it needs it
                 self._current.add(name)
+                self._dirty.add(name)
             self.updates += 1
         if cuda and done is not None:
             self._spans.append((start, done))
@@ -348,11 +362,15 @@ class StreamedAdamW:
                        lr, self.cfg, scale)
             shadow = p.to(st.shadow[name].dtype) if (st.shadow is not None and name in st.shadow) else None
             updated = s.record(self.upd)
+        lazy = name in self.kept and shadow is None  # the kept master is buf[:n]: written back when needed
         with s.use(self.down_full):
             self.down_full.wait_event(updated)
-            st.master[name].copy_(p, non_blocking=True)
+            if not lazy:
+                st.master[name].copy_(p, non_blocking=True)
+                self.d2h_bytes += 4 * n
             st.m[name].copy_(m, non_blocking=True)
             st.v[name].copy_(v, non_blocking=True)
+            self.d2h_bytes += 8 * n
             if shadow is not None:
                 s.keep_alive(shadow, self.down_full)
                 st.shadow[name].copy_(shadow, non_blocking=True)
@@ -360,15 +378,38 @@ class StreamedAdamW:
         self._down[name], self._updated[name] = done, updated
         if name in self.kept:
             self._fresh.add(name)
-            if shadow is None:  # the kept master is buf[:n], downloaded just now
+            if lazy:
                 self._current.add(name)
+                self._dirty.add(name)
         self.updates += 1
         return done
+
+    def _write_back(self, names) -> None:
+        """Copy the kept masters of ``names`` that host RAM lacks (``_dirty``) into the host master and wait
+        for it: something is about to read host RAM. They stay current (the same bits on both sides)."""
+        todo = [x for x in self.names if x in self._dirty and x in names]
+        if not todo:
+            return
+        s, st = self.streams, self.store
+        with s.use(self.down):
+            for name in todo:
+                # After its last update (and, stream order, after its m/v downloads queued on this stream).
+                self.down.wait_event(self._updated[name])
+                st.master[name].copy_(self.kept[name], non_blocking=True)
+                self.d2h_bytes += 4 * self.kept[name].numel()
+            done = s.record(self.down)
+        if s.cuda:
+            done.synchronize()  # rare (a routing change, a save): the caller reads host RAM next
+        for name in todo:
+            self._down[name] = done
+        self._dirty -= set(todo)
 
     def wait_group(self, name: str):
         """The event a load of ``name`` must wait for: its update when it reads the kept master
         (``device_source``), its download when it reads host RAM; None before any update."""
         self.flush()
+        if name not in self._fresh:
+            self._write_back([name])  # the load reads host RAM
         ev = self._updated.get(name) if name in self._fresh else self._down.get(name)
         return None if ev is None else _TimedWait(ev, self.wait_timer)
 
@@ -378,11 +419,14 @@ class StreamedAdamW:
         backward's read it; a kept layer's backward load then neither crosses the link nor waits for the
         download); None where it is not kept or stale (a load reads host RAM)."""
         self.flush()
+        if name not in self._fresh:
+            self._write_back([name])  # the load reads host RAM
         return self.kept[name] if name in self._fresh else None
 
     def host_ready(self, name: str) -> None:
         """Block until ``name``'s host state is written back (before the CPU path reads it)."""
         self.flush()
+        self._write_back([name])
         ev = self._down.get(name)
         if ev is not None:
             ev.synchronize()
@@ -399,7 +443,10 @@ class StreamedAdamW:
         return self.busy_s, self.wait_timer.settle()
 
     def wait_all(self) -> None:
+        """Every update applied and host RAM complete (kept masters written back: a save, state_dict, new
+        buffers, close read it next)."""
         self.flush()
+        self._write_back(self._dirty)
         for ev in self._down.values():
             if ev is not None:
                 ev.synchronize()

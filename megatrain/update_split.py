@@ -9,9 +9,10 @@ The host tier's AdamW has two paths that run at the same time (megatrain/host_ti
   master (H2D, ``stream_bytes``/param).
 * **GPU**: fp32 master, m and v go up (12 B/param H2D), the fused CUDA AdamW updates them, and they come
   back (12 B/param D2H); the updated master feeds the next forward's cast on the GPU, so that group's load
-  costs nothing more. Where that kept master is fp32 it still holds the host master's bits at the group's
-  next update, so only m and v go up then (8 B/param; ``kept_master``). PCIe-bound: ~3.8 Gparam/s at 46 GB/s
-  each way (12 B up), ~5.8 with kept masters (the D2H direction bounds it then).
+  costs nothing more. Where that kept master is fp32 it is the group's master of record: not downloaded
+  (written back only when host RAM needs it) and not uploaded at the group's next update, so a group that
+  stays on the GPU path moves only m and v, 8 B/param each way (``kept_master``). PCIe-bound: ~3.8 Gparam/s
+  at 46 GB/s each way with 12 B, ~5.8 with 8.
 
 ``plan_split`` is a pure function of these rates: it walks the groups in the order the next forward needs
 them and gives each to the path that would finish it first (list scheduling over three clocks: the CPU,
@@ -160,8 +161,9 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
     it is already there); ``grad_up_bytes``: per-param bytes of gradient the GPU path must upload (0 when
     the gradient waits on the GPU; 4 with grad_placement="host"); ``gpu_load_bytes``: per-param bytes the
     forward still loads for a GPU-path group (0 when its updated master is kept on the GPU); ``kept_master``: that
-    kept copy is the fp32 master, so a group the GPU path keeps updating uploads only m and v (8 B/param; the
-    model predicts the steady state of a split: its first step after the CPU path uploads 12). ``max_numel``: groups larger than this do
+    kept copy is the fp32 master, so a group the GPU path keeps updating moves only m and v, 8 B/param each way
+    (the model predicts the steady state of a split: its first step after the CPU path uploads 12, and a
+    routing change writes 4 back). ``max_numel``: groups larger than this do
     not fit the staging buffers and stay on the CPU path. ``max_gpu_groups``: a cap on the GPU path's size.
     ``prefetched``: groups whose state went up during the backward (``prefetch_set``): on the GPU path, only
     their download (12 B/param D2H) is left after the norm.
@@ -192,8 +194,9 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
     only = _cpu_only_s(numels, rates, head)
     if (not can or max_gpu_groups == 0) and not assign:
         return Split([], [x for x, _ in numels], only, only, "no group fits the staging buffers")
-    # (the load shares the H2D link; a kept fp32 master does not go up again)
-    up_b, down_b = STATE_BYTES - (4 if kept_master else 0) + grad_up_bytes + gpu_load_bytes, STATE_BYTES
+    # (the load shares the H2D link; a kept fp32 master goes neither up nor down again)
+    state_b = STATE_BYTES - (4 if kept_master else 0)
+    up_b, down_b = state_b + grad_up_bytes + gpu_load_bytes, state_b
 
     def gpu_time(gpu_numels: list[int]) -> float:
         # Uploads and downloads pipeline (the download of one group under the upload of the next): the

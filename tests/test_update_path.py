@@ -463,12 +463,13 @@ def test_parity_kept_bf16_shadow_against_pytorch(micro_batches):
 
 @pytest.mark.parametrize("stream_dtype", ["fp32", "bf16"])
 def test_a_kept_master_goes_up_once_while_its_group_stays_on_the_gpu_path(stream_dtype):
-    """A GPU-path group whose kept fp32 master holds the host master's bits (its last update was this path's)
-    is updated in place: from its second update on only m and v go up (8 B/param, not 12), and the weights
-    still match plain PyTorch (a stale buffer reused after a CPU-path update fails
-    test_runtime_split.py::test_engine_parity_while_the_runtime_split_changes). With a bf16 shadow the kept
-    copy is the shadow, so the master goes up every time. ``gpu_path_h2d_bytes``: what the path queued up in
-    the step (a step issues the previous step's update)."""
+    """A GPU-path group's kept fp32 master is its master of record: updated in place, not downloaded (host RAM
+    gets it when it needs it), and from the group's second update on not uploaded either: 8 B/param each way
+    (m and v), not 12; the weights still match plain PyTorch (a stale buffer reused after a CPU-path update
+    fails test_runtime_split.py::test_engine_parity_while_the_runtime_split_changes; a missed write-back
+    fails the save/load, NaN and state_dict cases). With a bf16 shadow the kept copy is the shadow, so the
+    master goes up and down every time. ``gpu_path_h2d_bytes`` / ``gpu_path_d2h_bytes``: what the path queued
+    in the step (a step issues the previous step's update)."""
     spec = PRESETS["tiny-llama"]
     hf = spec.to_hf_config("eager")
     cfg = hybrid_cfg(micro_batches=1, stream_dtype=stream_dtype)
@@ -478,10 +479,11 @@ def test_a_kept_master_goes_up_once_while_its_group_stays_on_the_gpu_path(stream
     kept = set(engine.host_tier.gpu.kept)
     assert kept == {x for x in FORCED.split(",") if x in engine.store.by_name}  # all kept: the CPU staging holds them
     init = {k: v.clone() for k, v in engine.state_dict().items()}
-    losses, up = [], []
+    losses, up, down = [], [], []
     for b in data:
         losses.append(engine.step(b).loss)
         up.append(engine.stats["gpu_path_h2d_bytes"])
+        down.append(engine.stats["gpu_path_d2h_bytes"])
     final = {k: v.clone() for k, v in engine.state_dict().items()}
     engine.close()
     if stream_dtype == "fp32":
@@ -489,3 +491,28 @@ def test_a_kept_master_goes_up_once_while_its_group_stays_on_the_gpu_path(stream
     # step 0 issued nothing; step 1 the first update (p, m, v); then m, v only where the master is kept fp32
     later = 12 if stream_dtype == "bf16" else 8
     assert up == [0, 12 * gpu_params] + [later * gpu_params] * (len(data) - 2), (up, gpu_params)
+    assert down == [0] + [later * gpu_params] * (len(data) - 1), (down, gpu_params)
+
+
+def test_a_skipped_step_then_loads_from_host_ram_see_the_kept_masters_written_back():
+    """Kept fp32 masters are the GPU-path groups' masters of record (host RAM gets them only when it needs
+    them). After a skipped step (NaN gradient) they no longer serve loads (``_fresh`` is cleared), so the next
+    forward loads those groups from host RAM: the masters must be written back first. No synchronize
+    around the skipped step here (train_past_a_nan_step's would write everything back itself)."""
+    spec = PRESETS["tiny-llama"]
+    hf = spec.to_hf_config("eager")
+    data = batches(spec)
+    engine = MegaTrain.from_config(hf, hybrid_cfg(optim=NO_CLIP), verbose=False)
+    init = {k: v.clone() for k, v in engine.state_dict().items()}
+    inject_nan_gradient(engine, "layer.2", at_call=3)  # a CPU-path group's gradient: the whole step is skipped
+    losses = []
+    for s, b in enumerate(data):
+        if s == 2:
+            with pytest.warns(RuntimeWarning, match="step skipped"):
+                engine.step(b)
+            assert engine.host_tier.gpu._dirty  # the last update's masters are still only on the "GPU"
+            continue
+        losses.append(engine.step(b).loss)
+    final = {k: v.clone() for k, v in engine.state_dict().items()}
+    engine.close()
+    assert_matches_reference(hf, init, losses, final, [b for s, b in enumerate(data) if s != 2], 2, NO_CLIP)

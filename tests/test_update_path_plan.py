@@ -194,11 +194,11 @@ def _shape_32():
 # The H100 node's rates (measured at build, 978fc53): the split of 7B pure streaming came out 1.7 % slower than
 # the CPU path alone, while the CPU kernel ran 30 % slower in the step than measured: a contested split.
 H100_LIKE = UpdateRates(cpu_gps=4.33, cpu_loaded_gps=2.85, h2d_gbs=42.6, d2h_gbs=51.7)
-# Since a kept fp32 master goes up once (2026-12-07e: 8 B/param up at later updates, not 12), the split at those
-# rates is predicted 16 % faster than the CPU path alone: a contest now needs a CPU 1.25x faster (within the
-# doubt: 6 % slower), and one beyond the doubt 1.5x (28 % slower).
-H100_CONTESTED = dataclasses.replace(H100_LIKE, cpu_gps=5.41, cpu_loaded_gps=3.56)
-H100_BEYOND = dataclasses.replace(H100_LIKE, cpu_gps=6.5, cpu_loaded_gps=4.28)
+# Since a kept fp32 master is the master of record (2026-12-07e: a group that stays on the GPU path moves 8 B/param
+# each way, not 12), the split at those rates is predicted faster than the CPU path alone: a contest now needs
+# a CPU 1.4x faster (within the doubt: 5 % slower), and one beyond the doubt 1.8x (28 % slower).
+H100_CONTESTED = dataclasses.replace(H100_LIKE, cpu_gps=6.06, cpu_loaded_gps=3.99)
+H100_BEYOND = dataclasses.replace(H100_LIKE, cpu_gps=7.79, cpu_loaded_gps=5.13)
 
 
 def test_a_contested_split_is_kept_as_candidates_within_the_model_doubt():
@@ -295,7 +295,7 @@ def test_hedged_candidates_start_on_the_cpu_path_then_take_the_gpu_path_and_matc
     spec = PRESETS["tiny-llama"]
     hf = spec.to_hf_config("eager")
     cfg = hybrid_cfg(gpu_path_groups="auto")
-    far = UpdateRates(cpu_gps=6.0, cpu_loaded_gps=3.96, h2d_gbs=42.6, d2h_gbs=51.7)
+    far = H100_BEYOND
     engine = MegaTrain.from_config(hf, cfg, verbose=False, rates=cost_model.Rates(update=dataclasses.replace(far)))
     try:
         ht = engine.host_tier
