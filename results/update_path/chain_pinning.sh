@@ -17,6 +17,10 @@
 #       then the 7B fp32 default pair of K=4
 #   K=6 (~6 min; session 2026-12-07e): clipping fires, 7B pure streaming 8x1024 as they run by default: the CPU
 #       path, the hybrid, the hybrid with the bf16 shadow (issue 23's 7B >= 200 target on an H200)
+#   K=7 (~7 min; 2026-12-07e, kept fp32 masters as masters of record: 8 B/param each way): the GPU update-path
+#       tests (-m gpu, into gputests.log), then clipping fires, the 7B fp32 default pair (CPU path, hybrid)
+#   K=8 (~7 min): clipping fires, the 3B default pair, then the 7B hybrid with the bf16 shadow (its kept copy is the
+#       shadow: 12 B/param each way, the comparison for K=7's hybrid)
 # On an 80 GB card (H100) the 14B points are left out (they do not fit beside this host's RAM).
 # Each runner: one process per point; warm-up 6 steps + up to 6 while the runtime split is still choosing.
 # Usage (repo root; carry ["wheelhouse"]): [END_S=<s>] bash results/update_path/chain_pinning.sh K <git sha>
@@ -89,6 +93,21 @@ case $K in
     new timeout_s=150 'sweep.models=[qwen2.5-7b]' time_budget_s=$(budget "$end") \
       "$(pts qwen2.5-7b 8 streaming_cpu_pinned streaming_hybrid streaming_hybrid_bf16)"
     ;;
-  *) say "K must be 0-6"; exit 2 ;;
+  7)
+    build_kernels
+    say "GPU update-path tests"
+    timeout 170 python3 -m pytest -q -m gpu tests/test_update_path_gpu.py -p no:cacheprovider > "$OUT/gputests.log" 2>&1
+    say "tests exit $? ($(tail -1 "$OUT/gputests.log"))"
+    new timeout_s=150 'sweep.models=[qwen2.5-7b]' time_budget_s=$(budget "$end") \
+      "$(pts qwen2.5-7b 8 streaming_cpu_pinned streaming_hybrid)"
+    ;;
+  8)
+    build_kernels
+    new timeout_s=110 'sweep.models=[qwen2.5-3b]' time_budget_s=$(budget $((end - 150))) \
+      "$(pts qwen2.5-3b 16 streaming_cpu_pinned streaming_hybrid)"
+    new timeout_s=150 'sweep.models=[qwen2.5-7b]' time_budget_s=$(budget "$end") \
+      "$(pts qwen2.5-7b 8 streaming_hybrid_bf16)"
+    ;;
+  *) say "K must be 0-8"; exit 2 ;;
 esac
 say done
