@@ -296,7 +296,7 @@ def _masters_kept(load: StepLoad) -> bool:
     groups = _host_groups(load)
     args = split_args(groups, staging_bytes=load.gpu_path_staging_bytes, grads_on_host=load.grads_on_host,
                       stream_bytes=load.stream_bytes, grad_bytes=load.grad_bytes, shadow=load.bf16_shadow)
-    return bool(groups) and args is not None and args["gpu_load_bytes"] == 0
+    return bool(groups) and args is not None and args["kept_bytes"] >= args["kept_per_param"] * sum(groups)
 
 
 def hybrid_split(load: StepLoad, rates: Rates, backward_s: float) -> tuple["update_split.Split", list[bool], int]:

@@ -272,18 +272,17 @@ def split_args(numels: list[int], *, staging_bytes: float, grads_on_host: bool, 
                grad_bytes: int, shadow: bool) -> dict | None:
     """``plan_split``'s keyword arguments for the host-tier groups of ``numels`` (their bytes per parameter
     each way) when the GPU path may hold ``staging_bytes``; None when that holds not even one chunk. Updated
-    weights are kept on the GPU (every load until the next update reads them there: no second load) when what
-    the chunks leave holds them all: fp32 masters (4 B/param; the next update then uploads only m and v), or
-    with a bf16 shadow the shadow (2 B/param, ``stream_bytes``); otherwise the model counts a GPU-path
-    group's load too."""
+    weights are kept on the GPU (every load until the next update reads them there: no second load) in what
+    the chunks leave: fp32 masters (4 B/param; masters of record, so only m and v cross the link), or with a
+    bf16 shadow the shadow (2 B/param, ``stream_bytes``); the model gives that room to GPU-path groups in
+    forward order and counts the load of those without one."""
     chunk = staging_chunk(max(numels), staging_bytes, grads_on_host)
     if chunk == 0:
         return None
-    kept_bytes = stream_bytes if shadow else 4
-    kept_all = staging_bytes - rotating_bytes(chunk, grads_on_host) >= kept_bytes * sum(numels)
     return dict(stream_bytes=stream_bytes, grad_bytes=0 if grads_on_host else grad_bytes,
-                grad_up_bytes=4 if grads_on_host else 0, gpu_load_bytes=0 if kept_all else stream_bytes,
-                kept_master=kept_all and not shadow)
+                grad_up_bytes=4 if grads_on_host else 0, gpu_load_bytes=stream_bytes, kept_master=not shadow,
+                kept_bytes=max(0.0, staging_bytes - rotating_bytes(chunk, grads_on_host)),
+                kept_per_param=stream_bytes if shadow else 4)
 
 
 def first_split(order: list[tuple[str, int]], rates: UpdateRates, **kw) -> tuple[Split, list[str]]:

@@ -151,7 +151,8 @@ def _cpu_only_s(numels: list[tuple[str, int]], rates: UpdateRates, head_start_s:
 
 def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative: bool = False,
                backward_s: float = 0.0, stream_bytes: int = 4, grad_bytes: int = 2, grad_up_bytes: int = 0,
-               gpu_load_bytes: int = 0, kept_master: bool = False, max_numel: int | None = None,
+               gpu_load_bytes: int = 0, kept_master: bool = False, kept_bytes: float | None = None,
+               kept_per_param: int = 4, max_numel: int | None = None,
                max_gpu_groups: int | None = None, prefetched: frozenset = frozenset(),
                eligible: frozenset | None = None, assign: frozenset | None = None) -> Split:
     """Split ``numels`` ((group, numel) in the next forward's order) between the CPU and GPU update paths.
@@ -163,7 +164,11 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
     forward still loads for a GPU-path group (0 when its updated master is kept on the GPU); ``kept_master``: that
     kept copy is the fp32 master, so a group the GPU path keeps updating moves only m and v, 8 B/param each way
     (the model predicts the steady state of a split: its first step after the CPU path uploads 12, and a
-    routing change writes 4 back). ``max_numel``: groups larger than this do
+    routing change writes 4 back). ``kept_bytes``: GPU bytes for kept copies (``kept_per_param`` B/param),
+    given to GPU-path groups in forward order as the engine gives them (``StreamedAdamW.kept_first``): a
+    group that gets one moves ``kept_master`` bytes and loads nothing, one that does not moves 12 B/param
+    each way and the forward loads it (``gpu_load_bytes``); None: every GPU-path group alike, as given.
+    ``max_numel``: groups larger than this do
     not fit the staging buffers and stay on the CPU path. ``max_gpu_groups``: a cap on the GPU path's size.
     ``prefetched``: groups whose state went up during the backward (``prefetch_set``): on the GPU path, only
     their download (12 B/param D2H) is left after the norm.
@@ -180,6 +185,7 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
         rest = plan_split([(x, n) for x, n in numels if x not in prefetched], rates, speculative=speculative,
                           backward_s=backward_s, stream_bytes=stream_bytes, grad_bytes=grad_bytes,
                           grad_up_bytes=grad_up_bytes, gpu_load_bytes=gpu_load_bytes, kept_master=kept_master,
+                          kept_bytes=kept_bytes, kept_per_param=kept_per_param,
                           max_numel=max_numel, max_gpu_groups=max_gpu_groups, eligible=eligible,
                           assign=None if assign is None else assign - prefetched)
         gpu = [x for x, _ in numels if x in prefetched or x in set(rest.gpu)]
@@ -194,9 +200,19 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
     only = _cpu_only_s(numels, rates, head)
     if (not can or max_gpu_groups == 0) and not assign:
         return Split([], [x for x, _ in numels], only, only, "no group fits the staging buffers")
-    # (the load shares the H2D link; a kept fp32 master goes neither up nor down again)
-    state_b = STATE_BYTES - (4 if kept_master else 0)
-    up_b, down_b = state_b + grad_up_bytes + gpu_load_bytes, state_b
+    def link_bytes(n: int, budget: float) -> tuple[int, int, float]:
+        """(up, down) bytes per param of a GPU-path group of ``n`` params with ``budget`` kept bytes left, and
+        the budget after it. Kept: no load (the forward casts the kept copy), and a kept fp32 master goes
+        neither up nor down again; not kept: p, m, v each way and the forward's load (it shares H2D)."""
+        if kept_bytes is None:  # every GPU-path group alike
+            state = STATE_BYTES - (4 if kept_master else 0)
+            return state + grad_up_bytes + gpu_load_bytes, state, budget
+        if kept_per_param * n <= budget:
+            state = STATE_BYTES - (4 if kept_master else 0)
+            return state + grad_up_bytes, state, budget - kept_per_param * n
+        return STATE_BYTES + grad_up_bytes + gpu_load_bytes, STATE_BYTES, budget
+
+    kept0 = math.inf if kept_bytes is None else kept_bytes
 
     def gpu_time(gpu_numels: list[int]) -> float:
         # Uploads and downloads pipeline (the download of one group under the upload of the next): the
@@ -204,7 +220,12 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
         total = sum(gpu_numels)
         if not total:
             return 0.0
-        return max(up_b * total / h2d, down_b * total / d2h) + down_b * gpu_numels[-1] / d2h + total / gpu_rate
+        up = down = 0.0
+        budget, last_down = kept0, 0
+        for n in gpu_numels:
+            u, d, budget = link_bytes(n, budget)
+            up, down, last_down = up + u * n, down + d * n, d * n
+        return max(up / h2d, down / d2h) + last_down / d2h + total / gpu_rate
 
     if speculative:
         # The GPU path takes a prefix of the forward order (the CPU would update those last); the longest
@@ -226,9 +247,11 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
     # After the norm: list scheduling in forward order over the CPU and the two link directions.
     t_cpu = t_h2d = t_d2h = gpu_end = 0.0
     gpu, cpu, gpu_numels = [], [], []
+    budget = kept0
     for x, n in numels:
         fits = allowed(x, n) and (max_gpu_groups is None or len(gpu) < max_gpu_groups)
         cpu_done = t_cpu + n / cpu_loaded
+        up_b, down_b, after = link_bytes(n, budget)
         # Ready for the forward once up and updated (its master stays on the GPU for the forward's cast). The
         # chunks rotate through two buffers that downloads free: a group's update also waits for the downloads
         # queued before it (binding where D2H is the slower direction: kept masters go up at 8 B/param, 12 come
@@ -237,6 +260,7 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
         if (x in assign) if assign is not None else gpu_done < cpu_done:
             gpu.append(x)
             gpu_numels.append(n)
+            budget = after
             t_h2d += up_b * n / h2d
             t_d2h = gpu_end = max(t_d2h, gpu_done) + down_b * n / d2h
         else:
