@@ -98,7 +98,7 @@ case $K in
   7)
     build_kernels
     say "GPU update-path tests"
-    timeout 120 python3 -m pytest -q -m gpu tests/test_update_path_gpu.py -p no:cacheprovider > "$OUT/gputests.log" 2>&1
+    timeout 100 python3 -m pytest -q -m gpu tests/test_update_path_gpu.py -p no:cacheprovider > "$OUT/gputests.log" 2>&1
     say "tests exit $? ($(tail -1 "$OUT/gputests.log"))"
     if [ $big = 1 ]; then v="streaming_hybrid streaming_hybrid_bf16"; else v="streaming_hybrid_staged streaming_hybrid"; fi
     # shellcheck disable=SC2086
