@@ -365,7 +365,8 @@ class MegaTrain:
                     optimizer_exposed_s=h.wait_s, host_update_busy_s=h.busy_s,
                     early_groups=h.early_groups, rollbacks=h.rollbacks,
                     d2h_bytes=self.grad_stream.bytes_d2h + self.grad_home.bytes_d2h,
-                    **h.counters())  # cpu_groups, gpu_path_groups, gpu_path_busy_s, gpu_path_wait_s, gpu_path_h2d_bytes, gpu_path_d2h_bytes
+                    # cpu_groups, gpu_path_groups, gpu_path_busy_s, gpu_path_wait_s, gpu_path_{h2d,d2h}_bytes
+                    **h.counters())
 
     def _passes(self, mbs: list[_MicroBatch]) -> list[tuple[int, list[_MicroBatch]]]:
         """(index of the first micro-batch, micro-batches) of each pass over the layers: one pass with every

@@ -387,7 +387,7 @@ class StreamedAdamW:
     def _write_back(self, names) -> None:
         """Copy the kept masters of ``names`` that host RAM lacks (``_dirty``) into the host master and wait
         for it: something is about to read host RAM. They stay current (the same bits on both sides)."""
-        todo = [x for x in self.names if x in self._dirty and x in names]
+        todo = [x for x in names if x in self._dirty]  # (a load's check: one set lookup)
         if not todo:
             return
         s, st = self.streams, self.store

@@ -204,12 +204,11 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
         """(up, down) bytes per param of a GPU-path group of ``n`` params with ``budget`` kept bytes left, and
         the budget after it. Kept: no load (the forward casts the kept copy), and a kept fp32 master goes
         neither up nor down again; not kept: p, m, v each way and the forward's load (it shares H2D)."""
+        kept_state = STATE_BYTES - (4 if kept_master else 0)
         if kept_bytes is None:  # every GPU-path group alike
-            state = STATE_BYTES - (4 if kept_master else 0)
-            return state + grad_up_bytes + gpu_load_bytes, state, budget
+            return kept_state + grad_up_bytes + gpu_load_bytes, kept_state, budget
         if kept_per_param * n <= budget:
-            state = STATE_BYTES - (4 if kept_master else 0)
-            return state + grad_up_bytes, state, budget - kept_per_param * n
+            return kept_state + grad_up_bytes, kept_state, budget - kept_per_param * n
         return STATE_BYTES + grad_up_bytes + gpu_load_bytes, STATE_BYTES, budget
 
     kept0 = math.inf if kept_bytes is None else kept_bytes
@@ -254,8 +253,8 @@ def plan_split(numels: list[tuple[str, int]], rates: UpdateRates, *, speculative
         up_b, down_b, after = link_bytes(n, budget)
         # Ready for the forward once up and updated (its master stays on the GPU for the forward's cast). The
         # chunks rotate through two buffers that downloads free: a group's update also waits for the downloads
-        # queued before it (binding where D2H is the slower direction: kept masters go up at 8 B/param, 12 come
-        # back).
+        # queued before it (binding where D2H carries more: a group without a kept master's 12 B/param beside
+        # the CPU path's gradients).
         gpu_done = max(t_h2d + up_b * n / h2d, t_d2h) + n / gpu_rate if fits or assign else float("inf")
         if (x in assign) if assign is not None else gpu_done < cpu_done:
             gpu.append(x)
