@@ -130,8 +130,10 @@ class EngineConfig:
     gpu_path_groups: str = "auto"
     # With "hybrid" on a GPU: GiB the placement plan keeps free for the GPU path's staging (two rotating
     # master+m+v chunk buffers, ~0.9 GiB at full chunk size, then kept masters, 4 B/param, in forward
-    # order); GPU memory the plan leaves unused beyond its margin is used as well.
-    update_staging_gib: float = 1.0
+    # order); GPU memory the plan leaves unused beyond its margin is used as well. None ("auto"): the plan
+    # chooses it (placement.STAGING_CANDIDATES_GIB, 1 GiB unless a larger reserve is predicted RESERVE_GAIN
+    # faster: kept masters bought with kept activation blocks or GPU-tier layers).
+    update_staging_gib: Optional[float] = None
     # With "hybrid": upload some GPU-path groups' master, m and v during the backward, as their gradients
     # arrive (only the update needs the clip coefficient), into buffers held until the norm (12 B/param of
     # the staging budget): after the norm only their update and download are left. How many: what the
@@ -202,7 +204,7 @@ class EngineConfig:
         self.pin_host_state = str(self.pin_host_state).strip().lower()
         if self.pin_host_state not in ("stream", "all"):
             raise ValueError(f"pin_host_state must be 'stream' or 'all', got {self.pin_host_state!r}")
-        if self.update_staging_gib < 0:
+        if self.update_staging_gib is not None and self.update_staging_gib < 0:
             raise ValueError(f"update_staging_gib must be >= 0, got {self.update_staging_gib}")
         self.host_update_cores = str(self.host_update_cores).strip().lower()
         if self.host_update_cores not in ("none", "auto"):

@@ -234,7 +234,7 @@ class MegaTrain:
                               host_margin=int(cfg.host_margin_gib * placement.GIB), tiers=tiers,
                               grads=cfg.grad_placement, kept=keep, rates=rates,
                               update_path="cpu" if (self.dist and cfg.update_path == "auto") else cfg.update_path,
-                              staging_reserve=int(cfg.update_staging_gib * placement.GIB) if on_gpu else 0,
+                              staging_reserve=placement.staging_bytes(cfg.update_staging_gib) if on_gpu else 0,
                               # keep an explicit "hybrid" as asked: a forced split, prefetch (not in the model),
                               # data parallel (refused by build_host_tier)
                               gpu_path_forced=(cfg.gpu_path_groups != "auto" or cfg.gpu_path_prefetch
@@ -244,7 +244,7 @@ class MegaTrain:
         """GPU memory the plan kept free for the host tier's GPU update path (update_path "hybrid", or "auto"
         resolved to it by the plan)."""
         hybrid = self.placement.update_path == "hybrid" and self.device.type == "cuda"
-        return self.cfg.update_staging_gib if hybrid else 0.0
+        return self.placement.staging_reserve / placement.GIB if hybrid else 0.0  # as asked, or the plan's choice
 
     def _staging_bytes(self) -> float:
         """GPU bytes the GPU update path may hold: the reserve plus what the plan leaves unused (90 % of it:

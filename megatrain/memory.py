@@ -166,4 +166,4 @@ def plan_for_spec(spec, options=None, *, micro_batches: int = 1, tokens_per_step
                           gpu_free=gpu_free, host_available=host_available,
                           gpu_margin=int(cfg.gpu_margin_gib * placement.GIB),
                           host_margin=int(cfg.host_margin_gib * placement.GIB), grads=cfg.grad_placement,
-                          update_path=cfg.update_path, staging_reserve=int(cfg.update_staging_gib * placement.GIB))
+                          update_path=cfg.update_path, staging_reserve=placement.staging_bytes(cfg.update_staging_gib))

@@ -49,6 +49,18 @@ CONTESTED_GAIN = 0.05  # a plan with fewer GPU-tier groups must be predicted thi
 # pure streaming one block of ~26, ~0.5 %). Measured (H100, 5bbd259, 3B 16x1024 pure streaming, clipping
 # fires): planned as cpu for one kept block, the hybrid ran 0.95x the CPU path; built, 1.09x (two calls).
 HEDGE_COST = 0.01
+# update_staging_gib=None ("auto"): the GPU update path's reserve is DEFAULT_STAGING_GIB unless a larger one of
+# STAGING_CANDIDATES_GIB is predicted RESERVE_GAIN faster than the hybrid plan at the default. A larger reserve
+# keeps more fp32 masters on the GPU (masters of record: 8 B/param each way instead of 12 + the forward's load)
+# and pays with kept activation blocks (pure streaming) or GPU-tier layers: a certain cost, against a gain from
+# the model's hybrid term, which has run optimistic. Measured (two H100 nodes, 7B pure streaming 8x1024,
+# clipping fires, 2026-12-07f): node A (CPU kernel 4.1 Gparam/s, 2.5 under copies) predicted 2.386 s at 1 GiB,
+# 1.993 at 16 GiB, ran 2.483 and 2.056 (the CPU path 2.716): a 17 % gain predicted, 21 % measured. Node B (6.4
+# and 5.2 Gparam/s) predicted 1.729 at 1 GiB, 1.564 at 12 GiB (10 %), 1.580 at 16; at 16 its split ran no faster
+# than its CPU path alone, and the 10 kept blocks it gave up cost ~3 % (2.04 s against the CPU path's 1.98).
+DEFAULT_STAGING_GIB = 1.0
+STAGING_CANDIDATES_GIB = (2.0, 4.0, 8.0, 12.0, 16.0, 20.0, 24.0, 32.0)
+RESERVE_GAIN = 0.15
 # micro_batch_schedule="auto" considers "sequential" only from this many tokens per micro-batch: below it a
 # layer's GEMMs run less efficiently, which the step-time model does not know (the best all-on-GPU 3B runs
 # on the H200 used micro-batches of 8 x 1024 tokens).
@@ -141,6 +153,8 @@ class Placement:
     update_path: str = "cpu"  # the host tier's update: "cpu" | "hybrid" (the resolved EngineConfig.update_path)
     update_path_setting: str = "cpu"  # as asked ("cpu" | "hybrid" | "auto")
     update_path_reason: str = ""  # why ("auto": the predicted step of each)
+    staging_reserve: int = 0  # bytes kept free for the GPU update path (0 unless update_path is "hybrid" on a GPU)
+    staging_reason: str = ""  # why that reserve (update_staging_gib None: the predicted step at each)
     boundaries_on_gpu: int | None = None  # as StepShape after boundary offload: None = all on the GPU
     mlp_chunk_tokens: int = -1  # the MLP chunk the plan sized the step for: -1 none, N tokens (never 0 = auto)
     mlp_chunk_reason: str = ""  # why that chunk (summary)
@@ -185,7 +199,8 @@ class Placement:
                "micro_batch_schedule": "sequential" if self.sequential else "layers",
                "recompute_blocks": self.kept_text, "gpu_resident_layers": self.gpu_layers,
                "predicted_step_s": self.prediction.step_s if self.prediction else None,
-               "update_path": self.update_path, "update_path_setting": self.update_path_setting}
+               "update_path": self.update_path, "update_path_setting": self.update_path_setting,
+               "update_staging_gib": self.staging_reserve / GIB}
         if self.prediction:
             out.update({f"predicted_{k}": v for k, v in self.prediction.parts.items()})
         return out
@@ -218,6 +233,8 @@ class Placement:
             lines.append(f"  gradients: {self.grads} ({self.grads_reason})")
         if self.update_path_reason:
             lines.append(f"  host update: {self.update_path} ({self.update_path_reason})")
+        if self.staging_reason and self.update_path == "hybrid":
+            lines.append(f"  GPU path staging: {self.staging_reserve / GIB:.0f} GiB kept free ({self.staging_reason})")
         if self.schedule_reason:
             lines.append(f"  micro-batches: {'sequential' if self.sequential else 'layers'} ({self.schedule_reason})")
         if self.prediction is not None:
@@ -349,12 +366,12 @@ def tiers_for_layers(names: list[str], n: int) -> dict[str, str]:
 def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool, gpu_free: int, host_available: int,
          gpu_margin: int, host_margin: int, tiers: dict[str, str] | None = None, grads: str = "auto",
          kept: set[int] | None = None, rates: "cost_model.Rates | None" = None, update_path: str = "cpu",
-         staging_reserve: int = 0, gpu_path_forced: bool = False) -> Placement:
+         staging_reserve: int | None = 0, gpu_path_forced: bool = False) -> Placement:
     """Decide the tiers (or check the given ``tiers``), where the host tier's gradients wait (``grads``:
     "gpu" | "host" | "auto"), for ``shape.mlp_chunk_tokens`` = 0 whether to chunk the MLP, which blocks
     keep their activations (``shape.recompute``, or the given ``kept`` block indices), and the host tier's
     update path (``update_path``: "cpu" | "hybrid" | "auto"; "hybrid" keeps ``staging_reserve`` bytes of the
-    GPU free for it), and predict both memories and (on a GPU) the step time at ``rates`` (see module doc).
+    GPU free for it, None: the reserve of the candidates the model predicts fastest, see RESERVE_GAIN), and predict both memories and (on a GPU) the step time at ``rates`` (see module doc).
     The hybrid prediction's split is the engine's own (``host_tier.first_split`` at ``rates.update_rates()``,
     which the engine measures before planning): where it gives the GPU path no group in a step that waits for
     the norm (the regime the model predicts), "hybrid" is planned as "cpu" (no staging kept free) and "auto"
@@ -371,7 +388,8 @@ def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool
                 gpu_margin=gpu_margin, host_margin=host_margin, tiers=tiers, kept=kept, rates=rates)
     if update_path != "auto" or not on_gpu:  # on a CPU run nothing is predicted: "auto" is "cpu"
         path = "hybrid" if update_path == "hybrid" else "cpu"
-        out = _plan_path(numels, shape, grads, args, path, staging_reserve)
+        out = (_plan_hybrid(numels, shape, grads, args, staging_reserve) if path == "hybrid" else
+               _plan_path(numels, shape, grads, args, path, 0))
         out.update_path_setting = update_path
         if update_path == "auto":
             out.update_path_reason = "auto: CPU run (nothing predicted)"
@@ -382,7 +400,7 @@ def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool
             # hedge at CPU rates CPU_DOUBT slower: ``Split.beyond_plan``) and the staging costs no GPU-tier layer
             # and at most HEDGE_COST of the CPU plan's predicted step (a kept block or so, e.g. pure streaming):
             # then the runtime starts on the CPU path alone and its measured step times decide.
-            cpu = _plan_path(numels, shape, grads, args, "cpu", staging_reserve)
+            cpu = _plan_path(numels, shape, grads, args, "cpu", 0)
             contested = int(out.prediction.parts.get("gpu_path_contested", 0)) if out.prediction else 0
             if contested and cpu.tiers == out.tiers and _staging_cost(out, cpu) <= HEDGE_COST:
                 out.update_path_setting = "hybrid"
@@ -407,13 +425,13 @@ def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool
         return out
     # "auto": the plan for each path (the hybrid one keeps its staging free), the faster by the model; the
     # GPU path must be predicted CONTESTED_GAIN faster (its split and rates are the least measured part).
-    cpu = _plan_path(numels, shape, grads, args, "cpu", staging_reserve)
+    cpu = _plan_path(numels, shape, grads, args, "cpu", 0)
     cpu.update_path_setting = "auto"
     if not cpu.host_names:
         cpu.update_path_reason = "auto: no host-tier group"
         return cpu
     try:
-        hybrid = _plan_path(numels, shape, grads, args, "hybrid", staging_reserve)
+        hybrid = _plan_hybrid(numels, shape, grads, args, staging_reserve)
     except DoesNotFit as exc:
         cpu.update_path_reason = f"auto: hybrid does not fit ({exc})"
         return cpu
@@ -454,6 +472,40 @@ def _rates_text(rates) -> str:
     return (rates or cost_model.Rates()).update_rates().describe()
 
 
+def staging_bytes(gib: float | None) -> int | None:
+    """EngineConfig.update_staging_gib as ``plan``'s ``staging_reserve``: bytes, or None (the plan chooses)."""
+    return None if gib is None else int(gib * GIB)
+
+
+def _plan_hybrid(numels, shape: StepShape, grads: str, args: dict, staging_reserve: int | None) -> Placement:
+    """The "hybrid" plan: with the given reserve; for None, at DEFAULT_STAGING_GIB unless a larger candidate
+    (STAGING_CANDIDATES_GIB, those that fit) is predicted RESERVE_GAIN faster, then the fastest of them."""
+    if staging_reserve is not None:
+        return _plan_path(numels, shape, grads, args, "hybrid", staging_reserve)
+    base = _plan_path(numels, shape, grads, args, "hybrid", int(DEFAULT_STAGING_GIB * GIB))
+    if base.prediction is None:  # a CPU run: nothing to predict, nothing kept free
+        return base
+    best = base
+    for gib in STAGING_CANDIDATES_GIB:
+        try:
+            plan = _plan_path(numels, shape, grads, args, "hybrid", int(gib * GIB))
+        except DoesNotFit:
+            break  # a larger reserve fits no better
+        if plan.prediction is not None and plan.prediction.step_s < best.prediction.step_s:
+            best = plan
+    a, b = base.prediction.step_s, best.prediction.step_s
+    at = f"predicted {b:.3f} s at {best.staging_reserve / GIB:.0f} GiB"
+    if best is not base and b < a * (1 - RESERVE_GAIN):
+        best.staging_reason = (f"auto: {at} ({_gpu_path_groups(best)} GPU-path groups, {len(best.kept_blocks)} kept "
+                               f"blocks, {best.gpu_layers} GPU-tier layers) vs {a:.3f} s at {DEFAULT_STAGING_GIB:.0f} "
+                               f"GiB, more than {RESERVE_GAIN:.0%} faster")
+        return best
+    base.staging_reason = (f"auto: {DEFAULT_STAGING_GIB:.0f} GiB, predicted {a:.3f} s" +
+                           (f"; the best larger reserve, {at}, is not {RESERVE_GAIN:.0%} faster" if best is not base
+                            else "; no larger reserve predicted faster"))
+    return base
+
+
 def _plan_path(numels, shape: StepShape, grads: str, args: dict, update_path: str, staging_reserve: int) -> Placement:
     """``plan`` for one host update path ("cpu" | "hybrid"; the hybrid one keeps ``staging_reserve`` free)."""
     reserve = staging_reserve if (update_path == "hybrid" and args["on_gpu"]) else 0
@@ -489,6 +541,7 @@ def _plan_path(numels, shape: StepShape, grads: str, args: dict, update_path: st
         placement = _schedule(numels, shape, placement, grads, args)
     placement.grad_setting, placement.mlp_chunk_reason, placement.recompute = grads, reason, asked
     placement.update_path = placement.update_path_setting = update_path
+    placement.staging_reserve = reserve
     if problems:
         raise DoesNotFit(_refusal(problems, placement, asked), placement)
     return placement

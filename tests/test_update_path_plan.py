@@ -398,3 +398,63 @@ def test_the_3b_row_planned_as_cpu_on_the_h100_now_builds_its_candidates():
     assert hybrid.prediction.parts["gpu_path_groups"] == 14
     assert hybrid.prediction.step_s == pytest.approx(1.170, abs=0.005)
     assert hybrid.prediction.step_s < cpu.prediction.step_s
+
+
+def _qwen_plan(model, tokens, update, *, update_path="hybrid", staging_reserve=None, gpu_free_gib=78.3):
+    """A pure-streaming plan of a Qwen2.5 preset on an 80 GB card (the H100 nodes' free memory and margins) at
+    the update rates ``update`` (a dict of UpdateRates fields over the defaults)."""
+    from megatrain.config import EngineConfig
+
+    spec = PRESETS[model]
+    rates = cost_model.Rates(update=dataclasses.replace(cost_model.Rates().update_rates(), **update))
+    cfg = EngineConfig(gpu_resident="0", update_path=update_path)
+    shape = memory.step_shape(cfg, num_layers=spec.num_layers, hidden=spec.hidden_size, ffn=spec.intermediate_size,
+                              vocab=spec.vocab_size, tokens_per_micro_batch=tokens, compute_bytes=2, on_gpu=True,
+                              seq_len=1024)
+    return P.plan(memory.spec_group_numels(spec), shape, setting="0", on_gpu=True, gpu_free=int(gpu_free_gib * GIB),
+                  host_available=123 * GIB, gpu_margin=6 * GIB, host_margin=2 * GIB, grads="auto", rates=rates,
+                  update_path=update_path, staging_reserve=staging_reserve)
+
+
+# The two H100 nodes of 2026-12-07f (7B pure streaming 8x1024, clipping fires; rates the builds measured).
+NODE_A = dict(cpu_gps=4.14, cpu_loaded_gps=2.52, h2d_gbs=42.7, d2h_gbs=51.0)  # staged hybrid 1.32x the CPU path
+NODE_B = dict(cpu_gps=6.44, cpu_loaded_gps=5.18, h2d_gbs=42.9, d2h_gbs=34.1)  # no split ran faster there
+
+
+def test_the_staging_reserve_is_chosen_where_kept_masters_are_predicted_much_faster():
+    """update_staging_gib=None: at node A's rates the 1 GiB reserve plans the GPU path no group (predicted
+    2.386 s, the CPU plan 2.381) and 16 GiB 1.993 s (measured there: 2.483 s at the default, 2.056 at 16 GiB);
+    the plan takes the fastest candidate, more than RESERVE_GAIN faster, paying kept blocks for kept masters.
+    At node B's rates the best larger reserve is predicted ~10 % faster, under RESERVE_GAIN: 1 GiB stays (its
+    16 GiB split ran no faster than the CPU path alone, and gave up 10 kept blocks). An explicit reserve is
+    kept as asked."""
+    one = _qwen_plan("qwen2.5-7b", 8192, NODE_A, staging_reserve=GIB)
+    sixteen = _qwen_plan("qwen2.5-7b", 8192, NODE_A, staging_reserve=16 * GIB)
+    assert one.staging_reserve == GIB and one.prediction.step_s == pytest.approx(2.386, abs=0.005)
+    assert sixteen.staging_reserve == 16 * GIB and sixteen.prediction.step_s == pytest.approx(1.993, abs=0.005)
+    auto = _qwen_plan("qwen2.5-7b", 8192, NODE_A)
+    assert auto.update_path == "hybrid" and auto.staging_reserve > 8 * GIB
+    assert auto.prediction.step_s <= sixteen.prediction.step_s < one.prediction.step_s * (1 - P.RESERVE_GAIN)
+    assert len(auto.kept_blocks) < len(one.kept_blocks) and auto.prediction.parts["gpu_path_groups"] > 15
+    assert auto.info()["update_staging_gib"] == auto.staging_reserve / GIB
+    assert "more than 15% faster" in auto.staging_reason and "GPU path staging" in auto.summary()
+    both = _qwen_plan("qwen2.5-7b", 8192, NODE_A, update_path="auto")  # "auto" weighs the chosen reserve
+    assert both.update_path == "hybrid" and both.staging_reserve == auto.staging_reserve
+
+    b = _qwen_plan("qwen2.5-7b", 8192, NODE_B)
+    assert b.staging_reserve == GIB and "is not 15% faster" in b.staging_reason
+    best = min((_qwen_plan("qwen2.5-7b", 8192, NODE_B, staging_reserve=int(g * GIB)) for g in P.STAGING_CANDIDATES_GIB),
+               key=lambda p: p.prediction.step_s)
+    assert b.prediction.step_s * (1 - P.RESERVE_GAIN) <= best.prediction.step_s < b.prediction.step_s
+    assert _qwen_plan("qwen2.5-7b", 8192, NODE_A, update_path="cpu").staging_reserve == 0
+
+
+def test_a_reserve_that_does_not_fit_is_not_a_candidate():
+    """On a card with little memory to spare the larger reserves refuse (DoesNotFit); the choice is among those
+    that fit, and a run that fits only at the default keeps it."""
+    with pytest.raises(P.DoesNotFit):  # 3B 16x1024 on 24 GiB: 8 GiB of staging does not fit beside the step
+        _qwen_plan("qwen2.5-3b", 16384, NODE_A, gpu_free_gib=24, staging_reserve=8 * GIB)
+    four = _qwen_plan("qwen2.5-3b", 16384, NODE_A, gpu_free_gib=24, staging_reserve=4 * GIB)
+    small = _qwen_plan("qwen2.5-3b", 16384, NODE_A, gpu_free_gib=24)
+    assert small.staging_reserve == GIB  # the best that fits (4 GiB) is not RESERVE_GAIN faster
+    assert f"predicted {four.prediction.step_s:.3f} s at 4 GiB, is not 15% faster" in small.staging_reason
