@@ -53,14 +53,17 @@ HEDGE_COST = 0.01
 # STAGING_CANDIDATES_GIB is predicted RESERVE_GAIN faster than the hybrid plan at the default. A larger reserve
 # keeps more fp32 masters on the GPU (masters of record: 8 B/param each way instead of 12 + the forward's load)
 # and pays with kept activation blocks (pure streaming) or GPU-tier layers: a certain cost, against a gain from
-# the model's hybrid term, which has run optimistic. Measured (two H100 nodes, 7B pure streaming 8x1024,
-# clipping fires, 2026-12-07f): node A (CPU kernel 4.1 Gparam/s, 2.5 under copies) predicted 2.386 s at 1 GiB,
-# 1.993 at 16 GiB, ran 2.483 and 2.056 (the CPU path 2.716): a 17 % gain predicted, 21 % measured. Node B (6.4
-# and 5.2 Gparam/s) predicted 1.729 at 1 GiB, 1.564 at 12 GiB (10 %), 1.580 at 16; at 16 its split ran no faster
-# than its CPU path alone, and the 10 kept blocks it gave up cost ~3 % (2.04 s against the CPU path's 1.98).
+# the model's hybrid term, which has run optimistic. Measured on three H100 nodes (pure streaming, clipping
+# fires, 2026-12-07f; results/update_path_masters_h100_2026-12-07f.md), predicted gain of the best larger
+# reserve over 1 GiB -> measured gain of a 16 GiB reserve over the 1 GiB hybrid:
+#   node A 7B (CPU kernel 4.1 Gparam/s, 2.5 under copies): 21 % (20 GiB; 16 % at 16) -> 17 % (2.483 -> 2.056 s)
+#   node C 3B (4.2 / 2.5): 13 % (8 GiB) -> 9 % (1.30 -> 1.18 s)
+#   node B 7B (6.4 / 5.2): 10 % (12 GiB) -> none: its split ran no faster than its CPU path alone, and the 10
+#   kept blocks given up cost ~3 % (2.04 s against the CPU path's 1.98)
+# so the margin sits between node B's 10 % and node C's 13 % (three points: revisit with more).
 DEFAULT_STAGING_GIB = 1.0
 STAGING_CANDIDATES_GIB = (2.0, 4.0, 8.0, 12.0, 16.0, 20.0, 24.0, 32.0)
-RESERVE_GAIN = 0.15
+RESERVE_GAIN = 0.11
 # micro_batch_schedule="auto" considers "sequential" only from this many tokens per micro-batch: below it a
 # layer's GEMMs run less efficiently, which the step-time model does not know (the best all-on-GPU 3B runs
 # on the H200 used micro-batches of 8 x 1024 tokens).

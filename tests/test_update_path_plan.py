@@ -425,7 +425,7 @@ def test_the_staging_reserve_is_chosen_where_kept_masters_are_predicted_much_fas
     """update_staging_gib=None: at node A's rates the 1 GiB reserve plans the GPU path no group (predicted
     2.386 s, the CPU plan 2.381) and 16 GiB 1.993 s (measured there: 2.483 s at the default, 2.056 at 16 GiB);
     the plan takes the fastest candidate, more than RESERVE_GAIN faster, paying kept blocks for kept masters.
-    At node B's rates the best larger reserve is predicted ~10 % faster, under RESERVE_GAIN: 1 GiB stays (its
+    At node B's rates the best larger reserve is predicted 9.5 % faster, under RESERVE_GAIN: 1 GiB stays (its
     16 GiB split ran no faster than the CPU path alone, and gave up 10 kept blocks). An explicit reserve is
     kept as asked."""
     one = _qwen_plan("qwen2.5-7b", 8192, NODE_A, staging_reserve=GIB)
@@ -437,16 +437,20 @@ def test_the_staging_reserve_is_chosen_where_kept_masters_are_predicted_much_fas
     assert auto.prediction.step_s <= sixteen.prediction.step_s < one.prediction.step_s * (1 - P.RESERVE_GAIN)
     assert len(auto.kept_blocks) < len(one.kept_blocks) and auto.prediction.parts["gpu_path_groups"] > 15
     assert auto.info()["update_staging_gib"] == auto.staging_reserve / GIB
-    assert "more than 15% faster" in auto.staging_reason and "GPU path staging" in auto.summary()
+    assert "more than 11% faster" in auto.staging_reason and "GPU path staging" in auto.summary()
     both = _qwen_plan("qwen2.5-7b", 8192, NODE_A, update_path="auto")  # "auto" weighs the chosen reserve
     assert both.update_path == "hybrid" and both.staging_reserve == auto.staging_reserve
 
     b = _qwen_plan("qwen2.5-7b", 8192, NODE_B)
-    assert b.staging_reserve == GIB and "is not 15% faster" in b.staging_reason
+    assert b.staging_reserve == GIB and "is not 11% faster" in b.staging_reason
     best = min((_qwen_plan("qwen2.5-7b", 8192, NODE_B, staging_reserve=int(g * GIB)) for g in P.STAGING_CANDIDATES_GIB),
                key=lambda p: p.prediction.step_s)
     assert b.prediction.step_s * (1 - P.RESERVE_GAIN) <= best.prediction.step_s < b.prediction.step_s
     assert _qwen_plan("qwen2.5-7b", 8192, NODE_A, update_path="cpu").staging_reserve == 0
+    # node C, 3B 16x1024 (4.23 / 2.52 Gparam/s): 8 GiB predicted 13 % faster than 1 GiB (1.056 vs 1.224 s); there
+    # the 1 GiB hybrid ran 245.6 TFLOPS, 16 GiB 269.9, the CPU path 213.3
+    c3 = _qwen_plan("qwen2.5-3b", 16384, dict(cpu_gps=4.23, cpu_loaded_gps=2.52, h2d_gbs=43.85, d2h_gbs=50.93))
+    assert c3.staging_reserve == 8 * GIB and c3.prediction.step_s == pytest.approx(1.056, abs=0.005)
 
 
 def test_a_reserve_that_does_not_fit_is_not_a_candidate():
@@ -457,4 +461,4 @@ def test_a_reserve_that_does_not_fit_is_not_a_candidate():
     four = _qwen_plan("qwen2.5-3b", 16384, NODE_A, gpu_free_gib=24, staging_reserve=4 * GIB)
     small = _qwen_plan("qwen2.5-3b", 16384, NODE_A, gpu_free_gib=24)
     assert small.staging_reserve == GIB  # the best that fits (4 GiB) is not RESERVE_GAIN faster
-    assert f"predicted {four.prediction.step_s:.3f} s at 4 GiB, is not 15% faster" in small.staging_reason
+    assert f"predicted {four.prediction.step_s:.3f} s at 4 GiB, is not 11% faster" in small.staging_reason
