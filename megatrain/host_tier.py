@@ -87,7 +87,8 @@ class HybridHostAdamW:
         busy, wait = self.gpu.settle() if self.gpu is not None else (0.0, 0.0)
         return dict(cpu_groups=self.cpu_groups, gpu_path_groups=self.gpu_path_groups, gpu_path_busy_s=busy,
                     gpu_path_wait_s=wait, gpu_path_h2d_bytes=self.gpu.h2d_bytes if self.gpu is not None else 0,
-                    gpu_path_d2h_bytes=self.gpu.d2h_bytes if self.gpu is not None else 0)
+                    gpu_path_d2h_bytes=self.gpu.d2h_bytes if self.gpu is not None else 0,
+                    gpu_path_cold_bytes=self.gpu.cold_bytes if self.gpu is not None else 0)
 
     def observe_step(self, stats: dict) -> None:
         """After a step: its backward time sets how long a speculative CPU path runs before the norm (and,
@@ -120,10 +121,13 @@ class HybridHostAdamW:
         comparable = len(self._params) >= 2 and not self._params[-2][2]
         if comparable:  # the update measured here ran after its norm and was not skipped
             measured = self._params[-2][3]
-            # This step's own speculation would put its CPU path in its time: then the trial is dropped.
-            self.chooser.record(measured.key, None if self._params[-1][2] else stats.get("step_s"))
+            # This step's own speculation would put its CPU path in its time: then the trial is dropped. An
+            # update that uploaded kept masters (counted in this step: it ran during its forward) is a cold one.
+            self.chooser.record(measured.key, None if self._params[-1][2] else stats.get("step_s"),
+                                cold=stats.get("gpu_path_cold_bytes", 0) > 0)
             if not self._params[-1][2]:
                 stats["split_measured_gpu_groups"] = float(len(measured.gpu))
+                stats["split_measured_cold"] = float(stats.get("gpu_path_cold_bytes", 0) > 0)
 
         def predict(split: Split) -> float:  # at the current, calibrated rates
             if self._evaluate is None:
@@ -131,7 +135,8 @@ class HybridHostAdamW:
             return self._evaluate(split.gpu, prefetched & frozenset(split.gpu)).predicted_s
 
         current = self.splits.get(False) or Split([], self.names)
-        chosen = self.chooser.choose(self.steps_observed - 1, current, proposal, predict)
+        chosen = self.chooser.choose(self.steps_observed - 1, current, proposal, predict,
+                                     cold=self.gpu.cold if self.gpu is not None else None)
         stats["split_decision"] = float(self.chooser.last_decision)
         stats["split_next_gpu_groups"] = float(len(chosen.gpu))
         return chosen
@@ -167,7 +172,9 @@ class HybridHostAdamW:
                 setattr(r, other, _clamp(getattr(r, other) * new / now, getattr(base, other)))
             setattr(r, field, new)
             self._cpu_seen.add(field)
-        if gpu_params and gpu_busy > 0 and self._evaluate is not None:
+        # Not from a cold update (its kept masters went up again: 12 B/param where the model has 8, a one-off).
+        cold = stats.get("gpu_path_cold_bytes", 0) > 0
+        if gpu_params and gpu_busy > 0 and self._evaluate is not None and not cold:
             predicted = self._evaluate(split.gpu, frozenset(self.prefetched or ()) & frozenset(split.gpu))
             if predicted.predicted_gpu_path_s > 0:
                 scale = predicted.predicted_gpu_path_s / gpu_busy  # > 1: the path ran faster than modelled

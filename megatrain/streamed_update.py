@@ -138,6 +138,9 @@ class StreamedAdamW:
         self._dirty: set[str] = set()
         self.h2d_bytes = 0  # bytes this path queued host -> GPU (state and gradients), cumulative
         self.d2h_bytes = 0  # bytes this path queued GPU -> host (state), cumulative
+        # Of h2d_bytes, fp32 masters uploaded into a kept buffer (the group was not current there: its first
+        # update on this path, or its first after it left it): a split's cold start, not its steady state.
+        self.cold_bytes = 0
         self._prefetched: dict[str, object] = {}  # this step's prefetched groups -> event after their upload
         self._pending: tuple | None = None  # (step, coef, grads, prefetched) of a finished step, not issued yet
         self.wait_timer = WaitTimer(streams)  # loads' GPU waits for this path
@@ -165,6 +168,13 @@ class StreamedAdamW:
             if name not in self.full and per * n <= left:
                 self.kept[name] = torch.empty(n, dtype=dtype, device=self.device)
                 left -= per * n
+
+    def cold(self, split) -> bool:
+        """Whether ``split``'s update, routed in the step that just finished (not issued yet), uploads kept fp32
+        masters: a GPU-path group with a kept master that is not its master of record (``_current``)."""
+        shadow = self.store.shadow
+        return any(x in self.kept and x not in self._current and (shadow is None or x not in shadow)
+                   for x in split.gpu)
 
     def set_prefetch(self, names) -> list[str]:
         """From now on, upload ``names``' state during the backward (as each gradient arrives); returns the
@@ -211,6 +221,8 @@ class StreamedAdamW:
             if name not in self._current:  # else the buffer holds the host master's bits already
                 buf[:n].copy_(st.master[name], non_blocking=True)
                 self.h2d_bytes += 4 * n
+                if name in self.kept:  # a kept master going up again (see cold_bytes)
+                    self.cold_bytes += 4 * n
             buf[n:2 * n].copy_(st.m[name], non_blocking=True)
             buf[2 * n:].copy_(st.v[name], non_blocking=True)
             self.h2d_bytes += 8 * n
@@ -292,6 +304,8 @@ class StreamedAdamW:
                     if not reuse:
                         p.copy_(st.master[name][a:e], non_blocking=True)
                         self.h2d_bytes += 4 * k
+                        if kept_master is not None:  # a kept master going up again (see cold_bytes)
+                            self.cold_bytes += 4 * k
                     m.copy_(st.m[name][a:e], non_blocking=True)
                     v.copy_(st.v[name][a:e], non_blocking=True)
                     self.h2d_bytes += 8 * k

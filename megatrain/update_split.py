@@ -307,11 +307,13 @@ def forced_split(names: list[str], gpu_names: list[str]) -> Split:
 
 
 # Why the runtime split is what it is (``SplitChooser``; also a number in each step's phases, ``split_decision``).
-KEEP_FASTEST, KEEP_MEASURING, TRY_CPU_ONLY, TRY_PROPOSAL, SWITCH_FASTER, KEEP_WITHIN_MARGIN, RETRY_CLOSE = range(7)
+(KEEP_FASTEST, KEEP_MEASURING, TRY_CPU_ONLY, TRY_PROPOSAL, SWITCH_FASTER, KEEP_WITHIN_MARGIN, RETRY_CLOSE,
+ WARM_UP) = range(8)
 DECISIONS = {KEEP_FASTEST: "kept: measured fastest", KEEP_MEASURING: "kept: nothing measured yet",
              TRY_CPU_ONLY: "measuring the CPU path alone once", TRY_PROPOSAL: "trying the model's proposal once",
              SWITCH_FASTER: "switched: measured faster", KEEP_WITHIN_MARGIN: "kept: the fastest is within the margin",
-             RETRY_CLOSE: "measuring a close runner-up again"}
+             RETRY_CLOSE: "measuring a close runner-up again",
+             WARM_UP: "kept one more step: its first uploads kept masters (measured warm next)"}
 
 
 @dataclass
@@ -337,8 +339,16 @@ class SplitChooser:
     3. Otherwise the fastest measured split (median of its last ``window`` times), but the current one stays
        while it is within ``margin`` of that (hysteresis: noise does not move the split back and forth).
 
+    0. Before these: a split that ran once and whose update uploads kept fp32 masters (``cold``: groups whose
+       kept master is not the master of record yet, its first step on the GPU path or its first after leaving
+       it) runs one more step, and the chooser is given its time from that warm step: a cold step's time
+       (``record(..., cold=True)``, kept in ``cold`` apart) is not the split's (H100, 7B pure streaming,
+       16 GiB staging, 2026-12-07f: cold split steps 2.37-2.40 s, warm ones 2.03-2.06; on another node the
+       only split steps measured were cold, 2.07-2.11 s against the CPU path alone's 2.01-2.04, and the
+       chooser kept the CPU path alone).
+
     So the step is never kept on a split slower than one measured faster, and each trial costs at most one
-    step. (Found on the H200, 14B 16x1024, clipping firing: the rates re-fitted from the GPU path's busy time
+    step (two where its first is cold). (Found on the H200, 14B 16x1024, clipping firing: the rates re-fitted from the GPU path's busy time
     moved all 11 GPU-path groups back to the CPU kernel and the step went from 4.73 to 5.16 s.)"""
 
     names: list[str]
@@ -349,7 +359,9 @@ class SplitChooser:
     # H100, 3B pure streaming (ac36502): the CPU path alone's one trial step took 1.432 s (host update busy 0.82 s)
     # against the split's 1.352; CPU-only runs of that shape took 1.27-1.35 s. The H200 14B loss (8.2 %) is beyond.
     retrials: int = 4  # re-measurements at most (rule 2b), so a close pair costs at most this many steps
+    warmups: int = 8  # rule 0 at most this many times (a split that stays cold is then measured as it is)
     measured: dict = field(default_factory=dict)  # split key -> step times measured with it
+    cold: dict = field(default_factory=dict)  # split key -> times of its cold steps (not compared, rule 0)
     splits: dict = field(default_factory=dict)  # split key -> the Split
     pending: list = field(default_factory=list)  # keys of splits that ran, in order, whose time is not in yet
     history: list = field(default_factory=list)  # (step, GPU-path groups, decision, reason) when the split changed
@@ -363,22 +375,29 @@ class SplitChooser:
         self.splits.setdefault(split.key, split)
         self.pending.append(split.key)
 
-    def record(self, key: tuple, step_s: float | None) -> None:
+    def record(self, key: tuple, step_s: float | None, cold: bool = False) -> None:
         """The step time that measured the update routed with ``key`` (None: not comparable, e.g. a speculative
-        or skipped step: the trial is dropped, not counted)."""
+        or skipped step: the trial is dropped, not counted; ``cold``: that update uploaded kept masters, rule 0:
+        kept apart)."""
         if key in self.pending:
             self.pending.remove(key)
         if step_s is not None and math.isfinite(step_s) and step_s > 0:
-            self.measured.setdefault(key, []).append(step_s)
+            (self.cold if cold else self.measured).setdefault(key, []).append(step_s)
 
     def time(self, key: tuple) -> float:
         return statistics.median(self.measured[key][-self.window:])
 
-    def choose(self, step: int, current: Split, proposal: Split, predict) -> Split:
+    def choose(self, step: int, current: Split, proposal: Split, predict, cold=None) -> Split:
         """The next step's split. ``predict(split)``: the model's update time of a split at the current
-        (calibrated) rates."""
+        (calibrated) rates; ``cold(split)``: whether its update, routed now, uploads kept masters (rule 0)."""
         self.splits.setdefault(proposal.key, proposal)
-        decision, chosen, why = self._decide(current, proposal, predict)
+        if (cold is not None and self.warmups > 0 and self.pending.count(current.key) == 1
+                and current.key not in self.measured and cold(current)):
+            # (0) This step's routing is a cold start: one more step with it, so its next time is a warm one.
+            self.warmups -= 1
+            decision, chosen, why = WARM_UP, current, f"{len(current.gpu)} GPU-path groups"
+        else:
+            decision, chosen, why = self._decide(current, proposal, predict)
         self.last_decision = decision
         chosen = dataclasses.replace(chosen, reason=f"{DECISIONS[decision]}: {why}")
         if chosen.key != current.key:
@@ -451,7 +470,7 @@ class SplitChooser:
             return "runtime split: no step time measured yet"
         if any(k not in self.measured for k in self.pending):
             return "runtime split: a trial's step time is still to come"
-        if self.last_decision in (TRY_CPU_ONLY, TRY_PROPOSAL, RETRY_CLOSE):
+        if self.last_decision in (TRY_CPU_ONLY, TRY_PROPOSAL, RETRY_CLOSE, WARM_UP):
             return f"runtime split: the next step is a trial ({DECISIONS[self.last_decision]})"
         return ""
 

@@ -13,7 +13,7 @@ import pytest
 from megatrain import MegaTrain, PRESETS
 from megatrain.host_tier import HybridHostAdamW
 from megatrain.update_split import (KEEP_FASTEST, KEEP_MEASURING, KEEP_WITHIN_MARGIN, RETRY_CLOSE, SWITCH_FASTER,
-                                    TRY_CPU_ONLY, TRY_PROPOSAL, Split, SplitChooser, UpdateRates, plan_split)
+                                    TRY_CPU_ONLY, TRY_PROPOSAL, WARM_UP, Split, SplitChooser, UpdateRates, plan_split)
 
 from test_engine_parity import assert_parity, batches
 from test_update_path import hybrid_cfg
@@ -198,9 +198,12 @@ def test_assign_evaluates_the_planned_split_to_the_same_time():
 
 
 def test_engine_parity_while_the_runtime_split_changes():
-    """gpu_path_groups="auto" on the CPU (default rates: both paths): the chooser tries the CPU path alone on
-    the third step and then takes whichever ran faster; the weights still match plain PyTorch, and each
-    step's phases say which split was measured and decided."""
+    """gpu_path_groups="auto" on the CPU (default rates: both paths; every GPU-path master kept): the first
+    split's first update uploads its kept masters (cold), so it runs a second step (rule 0) and its first
+    warm time comes in at step 2; the chooser then tries the CPU path alone on the fourth step and takes
+    whichever ran faster; the weights still match plain PyTorch (also across the switches: a kept master
+    reused after a CPU-path update would not), and each step's phases say which split was measured and
+    decided."""
     spec = PRESETS["tiny-llama"]
     seen = []
     orig = HybridHostAdamW.observe_step
@@ -217,8 +220,12 @@ def test_engine_parity_while_the_runtime_split_changes():
     stats = [s for s, _ in seen]
     assert "split_measured_gpu_groups" not in stats[0]  # the first step measured no update
     assert all("split_decision" in s and "split_next_gpu_groups" in s for s in stats)
-    assert stats[1]["split_decision"] == TRY_CPU_ONLY and stats[1]["split_next_gpu_groups"] == 0
-    assert stats[2]["split_measured_gpu_groups"] > 0 and stats[3]["split_measured_gpu_groups"] == 0
+    assert stats[0]["split_decision"] == WARM_UP and stats[0]["split_next_gpu_groups"] > 0
+    assert stats[1]["split_measured_cold"] == 1 and stats[1]["split_decision"] == KEEP_MEASURING
+    assert stats[2]["split_measured_cold"] == 0 and stats[2]["split_measured_gpu_groups"] > 0
+    assert stats[2]["split_decision"] == TRY_CPU_ONLY and stats[2]["split_next_gpu_groups"] == 0
+    assert stats[3]["split_measured_gpu_groups"] > 0 and stats[4]["split_measured_gpu_groups"] == 0
+    assert stats[4]["split_measured_cold"] == 0  # the CPU path alone uploads no kept master
     assert seen[-1][1][0][2] == TRY_CPU_ONLY
 
 
@@ -304,3 +311,63 @@ def test_speculation_says_it_is_choosing_only_while_it_can_measure():
     policy.observe(0.5)
     assert policy.choosing() == ""
     assert SpeculationPolicy("never", 1.0).choosing() == "" and SpeculationPolicy("always", None).choosing() == ""
+
+
+def _run_kept(chooser: SplitChooser, first: Split, warm: dict, cold_extra: float, steps: int,
+              rule0: bool = True) -> list[Split]:
+    """``_run`` where every GPU-path master is kept (masters of record): an update whose GPU-path groups were not
+    on the GPU path in the update before uploads their masters, and its step takes ``cold_extra`` longer."""
+    predict = lambda sp: plan_split(ORDER, H200, assign=frozenset(sp.gpu), **KW).predicted_s  # noqa: E731
+    used, current = [], first
+
+    def cold_at(i):  # the update routed in step i
+        return bool(used[i].gpu) and (i == 0 or set(used[i].gpu) != set(used[i - 1].gpu))
+
+    for s in range(steps):
+        used.append(current)
+        chooser.ran(current)
+        if s >= 1:
+            c = cold_at(s - 1)
+            chooser.record(used[s - 1].key, warm[len(used[s - 1].gpu)] + (cold_extra if c else 0.0),
+                           cold=c and rule0)
+        cold = (lambda sp: cold_at(s)) if rule0 else None  # the split just routed in step s
+        current = chooser.choose(s, current, first, predict, cold=cold)
+    return used
+
+
+def test_a_split_is_compared_warm_not_by_its_cold_first_step():
+    """The H100 node B of 2026-12-07f (7B pure streaming, 16 GiB staging): the only split steps the chooser
+    measured were cold (their kept masters went up again: 2.07-2.11 s) against the CPU path alone's 2.01-2.04,
+    so it kept the CPU path alone. On node A a cold split step took 2.37-2.40 s, warm ones 2.03-2.06. With
+    rule 0 a cold split runs one more step and is judged by its warm time: here a split 5 % faster warm, 3 %
+    slower cold, is kept; without rule 0 (no ``cold``) the CPU path alone wins on the cold times."""
+    hybrid = _hybrid()
+    warm, extra = {11: 1.92, 0: 2.02}, 0.16
+    chooser = SplitChooser(NAMES)
+    used = _run_kept(chooser, hybrid, warm, extra, steps=10)
+    # the CPU path alone is tried at step 3, then re-measured (rule 2b: within doubt, fewer than window steps)
+    assert [len(u.gpu) for u in used] == [11, 11, 11, 0, 11, 0, 11, 0, 11, 11]
+    # every return to the split uploads its masters again: those steps' times are kept apart, never compared
+    assert chooser.cold[hybrid.key] == [pytest.approx(2.08)] * 4
+    assert chooser.measured[hybrid.key] == [pytest.approx(1.92)] * 2
+    assert chooser.time(hybrid.key) == pytest.approx(1.92) and chooser.last_decision == KEEP_FASTEST
+    assert chooser.history[0][2] == TRY_CPU_ONLY  # WARM_UP keeps the split: no change in the history
+
+    old = SplitChooser(NAMES)
+    used = _run_kept(old, hybrid, warm, extra, steps=10, rule0=False)
+    assert [len(u.gpu) for u in used][-3:] == [0, 0, 0] and not old.cold  # judged cold, the split lost
+
+
+def test_rule_0_is_bounded():
+    """A split that stays cold (here: every step reports its update cold) is kept one more step at most
+    ``warmups`` times in all, then measured as it is."""
+    hybrid = _hybrid()
+    chooser = SplitChooser(NAMES, warmups=2)
+    decisions = []
+    for s in range(8):
+        chooser.ran(hybrid)
+        if s >= 1:
+            chooser.record(hybrid.key, 2.0, cold=chooser.warmups > 0)
+        hybrid = chooser.choose(s, hybrid, hybrid, lambda sp: 1.0, cold=lambda sp: True)
+        decisions.append(chooser.last_decision)
+    assert decisions.count(WARM_UP) == 2 and chooser.warmups == 0

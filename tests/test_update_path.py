@@ -312,7 +312,8 @@ def test_rates_calibrate_from_busy_times_after_the_norm_only():
     time (the rate under copies with GPU-path groups, the rate alone without) replace a rate they disagree with
     by more than MODEL_DOUBT, move it halfway within it, and move the other CPU rate by the same factor until
     the run has seen that one too; the link rates by the model's GPU-path span for the split that ran over the
-    measured one (not the GPU path's bytes over that span: the link carried the forward's loads too)."""
+    measured one (not the GPU path's bytes over that span: the link carried the forward's loads too), and not
+    from a cold update (kept masters uploaded again: a one-off the model does not count)."""
     spec = PRESETS["tiny-llama"]
     engine = MegaTrain.from_config(spec.to_hf_config("eager"), hybrid_cfg(gpu_path_groups="auto"), verbose=False)
     ht = engine.host_tier
@@ -321,6 +322,11 @@ def test_rates_calibrate_from_busy_times_after_the_norm_only():
     assert split.gpu and split.predicted_gpu_path_s > 0
     span = ht._evaluate(split.gpu, frozenset()).predicted_gpu_path_s
     ht._params = [(2 * 10**9, 10**9, False, split), (2 * 10**9, 10**9, False, split)]
+    before = dataclasses.replace(ht.rates)
+    ht._calibrate({"host_update_busy_s": 1.0, "gpu_path_busy_s": span * 2, "gpu_path_cold_bytes": 4})
+    assert (ht.rates.h2d_gbs, ht.rates.d2h_gbs) == (before.h2d_gbs, before.d2h_gbs)  # a cold update: no link rate
+    ht.rates, ht.calibrated = dataclasses.replace(before), 0
+    ht._cpu_seen.clear()
     ht._calibrate({"host_update_busy_s": 1.0, "gpu_path_busy_s": span / 2})  # 2 Gparam/s; the path twice as fast
     assert abs(2.0 / base.cpu_loaded_gps - 1) > update_split.MODEL_DOUBT
     assert ht.rates.cpu_loaded_gps == pytest.approx(2.0)  # beyond the doubt: replaced
@@ -469,7 +475,7 @@ def test_a_kept_master_goes_up_once_while_its_group_stays_on_the_gpu_path(stream
     fails test_runtime_split.py::test_engine_parity_while_the_runtime_split_changes; a missed write-back
     fails the save/load, NaN and state_dict cases). With a bf16 shadow the kept copy is the shadow, so the
     master goes up and down every time. ``gpu_path_h2d_bytes`` / ``gpu_path_d2h_bytes``: what the path queued
-    in the step (a step issues the previous step's update)."""
+    in the step (a step issues the previous step's update); ``gpu_path_cold_bytes`` the kept masters' uploads."""
     spec = PRESETS["tiny-llama"]
     hf = spec.to_hf_config("eager")
     cfg = hybrid_cfg(micro_batches=1, stream_dtype=stream_dtype)
@@ -479,11 +485,12 @@ def test_a_kept_master_goes_up_once_while_its_group_stays_on_the_gpu_path(stream
     kept = set(engine.host_tier.gpu.kept)
     assert kept == {x for x in FORCED.split(",") if x in engine.store.by_name}  # all kept: the CPU staging holds them
     init = {k: v.clone() for k, v in engine.state_dict().items()}
-    losses, up, down = [], [], []
+    losses, up, down, cold = [], [], [], []
     for b in data:
         losses.append(engine.step(b).loss)
         up.append(engine.stats["gpu_path_h2d_bytes"])
         down.append(engine.stats["gpu_path_d2h_bytes"])
+        cold.append(engine.stats["gpu_path_cold_bytes"])
     final = {k: v.clone() for k, v in engine.state_dict().items()}
     engine.close()
     if stream_dtype == "fp32":
@@ -492,6 +499,9 @@ def test_a_kept_master_goes_up_once_while_its_group_stays_on_the_gpu_path(stream
     later = 12 if stream_dtype == "bf16" else 8
     assert up == [0, 12 * gpu_params] + [later * gpu_params] * (len(data) - 2), (up, gpu_params)
     assert down == [0] + [later * gpu_params] * (len(data) - 1), (down, gpu_params)
+    # the kept fp32 masters' first upload is the split's cold start (SplitChooser rule 0); a shadow is no master
+    first = 4 * gpu_params if stream_dtype == "fp32" else 0
+    assert cold == [0, first] + [0] * (len(data) - 2), (cold, gpu_params)
 
 
 def test_a_skipped_step_then_loads_from_host_ram_see_the_kept_masters_written_back():
