@@ -123,11 +123,11 @@ class HybridHostAdamW:
             measured = self._params[-2][3]
             # This step's own speculation would put its CPU path in its time: then the trial is dropped. An
             # update that uploaded kept masters (counted in this step: it ran during its forward) is a cold one.
-            self.chooser.record(measured.key, None if self._params[-1][2] else stats.get("step_s"),
-                                cold=stats.get("gpu_path_cold_bytes", 0) > 0)
+            cold = stats.get("gpu_path_cold_bytes", 0) > 0
+            self.chooser.record(measured.key, None if self._params[-1][2] else stats.get("step_s"), cold=cold)
             if not self._params[-1][2]:
                 stats["split_measured_gpu_groups"] = float(len(measured.gpu))
-                stats["split_measured_cold"] = float(stats.get("gpu_path_cold_bytes", 0) > 0)
+                stats["split_measured_cold"] = float(cold)
 
         def predict(split: Split) -> float:  # at the current, calibrated rates
             if self._evaluate is None:

@@ -374,7 +374,8 @@ def plan(numels: dict[str, int], shape: StepShape, *, setting: str, on_gpu: bool
     "gpu" | "host" | "auto"), for ``shape.mlp_chunk_tokens`` = 0 whether to chunk the MLP, which blocks
     keep their activations (``shape.recompute``, or the given ``kept`` block indices), and the host tier's
     update path (``update_path``: "cpu" | "hybrid" | "auto"; "hybrid" keeps ``staging_reserve`` bytes of the
-    GPU free for it, None: the reserve of the candidates the model predicts fastest, see RESERVE_GAIN), and predict both memories and (on a GPU) the step time at ``rates`` (see module doc).
+    GPU free for it, None: the reserve of the candidates the model predicts fastest, see RESERVE_GAIN), and
+    predict both memories and (on a GPU) the step time at ``rates`` (see module doc).
     The hybrid prediction's split is the engine's own (``host_tier.first_split`` at ``rates.update_rates()``,
     which the engine measures before planning): where it gives the GPU path no group in a step that waits for
     the norm (the regime the model predicts), "hybrid" is planned as "cpu" (no staging kept free) and "auto"
@@ -485,13 +486,13 @@ def _plan_hybrid(numels, shape: StepShape, grads: str, args: dict, staging_reser
     (STAGING_CANDIDATES_GIB, those that fit) is predicted RESERVE_GAIN faster, then the fastest of them."""
     if staging_reserve is not None:
         return _plan_path(numels, shape, grads, args, "hybrid", staging_reserve)
-    base = _plan_path(numels, shape, grads, args, "hybrid", int(DEFAULT_STAGING_GIB * GIB))
+    base = _plan_path(numels, shape, grads, args, "hybrid", staging_bytes(DEFAULT_STAGING_GIB))
     if base.prediction is None:  # a CPU run: nothing to predict, nothing kept free
         return base
     best = base
     for gib in STAGING_CANDIDATES_GIB:
         try:
-            plan = _plan_path(numels, shape, grads, args, "hybrid", int(gib * GIB))
+            plan = _plan_path(numels, shape, grads, args, "hybrid", staging_bytes(gib))
         except DoesNotFit:
             break  # a larger reserve fits no better
         if plan.prediction is not None and plan.prediction.step_s < best.prediction.step_s:

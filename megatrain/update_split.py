@@ -326,6 +326,13 @@ class SplitChooser:
     copies are in this step's time); ``choose(current, proposal, predict)`` then gives the next step's split.
     The rules, in order (each chosen split carries its rule in ``reason``; ``history`` keeps the changes):
 
+    0. First: a split that ran once and whose update uploads kept fp32 masters (``cold``: groups whose
+       kept master is not the master of record yet, its first step on the GPU path or its first after leaving
+       it) runs one more step, and the chooser is given its time from that warm step: a cold step's time
+       (``record(..., cold=True)``, kept in ``cold`` apart) is not the split's (H100, 7B pure streaming,
+       16 GiB staging, 2026-12-07f: cold split steps 2.37-2.40 s, warm ones 2.03-2.06; on another node the
+       only split steps measured were cold, 2.07-2.11 s against the CPU path alone's 2.01-2.04, and the
+       chooser kept the CPU path alone).
     1. Nothing measured yet: keep the current split.
     2. While no split that ran is still waiting for its measurement (one trial at a time):
        a. the CPU path alone, once, if it was never measured (the model may be wrong about either path);
@@ -339,17 +346,10 @@ class SplitChooser:
     3. Otherwise the fastest measured split (median of its last ``window`` times), but the current one stays
        while it is within ``margin`` of that (hysteresis: noise does not move the split back and forth).
 
-    0. Before these: a split that ran once and whose update uploads kept fp32 masters (``cold``: groups whose
-       kept master is not the master of record yet, its first step on the GPU path or its first after leaving
-       it) runs one more step, and the chooser is given its time from that warm step: a cold step's time
-       (``record(..., cold=True)``, kept in ``cold`` apart) is not the split's (H100, 7B pure streaming,
-       16 GiB staging, 2026-12-07f: cold split steps 2.37-2.40 s, warm ones 2.03-2.06; on another node the
-       only split steps measured were cold, 2.07-2.11 s against the CPU path alone's 2.01-2.04, and the
-       chooser kept the CPU path alone).
-
     So the step is never kept on a split slower than one measured faster, and each trial costs at most one
-    step (two where its first is cold). (Found on the H200, 14B 16x1024, clipping firing: the rates re-fitted from the GPU path's busy time
-    moved all 11 GPU-path groups back to the CPU kernel and the step went from 4.73 to 5.16 s.)"""
+    step (two where its first is cold). (Found on the H200, 14B 16x1024, clipping firing: the rates re-fitted
+    from the GPU path's busy time moved all 11 GPU-path groups back to the CPU kernel and the step went from
+    4.73 to 5.16 s.)"""
 
     names: list[str]
     margin: float = 0.02  # of a step's time: the 14B H200 gap was 8 %, step-to-step noise ~1 %
