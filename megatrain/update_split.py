@@ -417,14 +417,13 @@ class SplitChooser:
                 # (2a) The CPU path alone is always a candidate: measure it once rather than trust the model.
                 return TRY_CPU_ONLY, cpu, (f"{len(self.splits[best].gpu)} GPU-path groups measured "
                                            f"{t_best:.3f} s a step")
-            for key, times in self.measured.items():
-                if (key != best and key != current.key and key not in self.pending and self.retrials > 0
-                        and len(times) < self.window and self.time(key) <= t_best * (1 + self.doubt)):
-                    # (2b) A close loss on few steps may be one slow step: measure that split once more.
-                    self.retrials -= 1
-                    return RETRY_CLOSE, self.splits[key], (
-                        f"{len(key)} GPU-path groups measured {self.time(key):.3f} s in {len(times)} step(s), "
-                        f"within {self.doubt:.0%} of {len(self.splits[best].gpu)} at {t_best:.3f} s")
+            key = self._close_runner_up(best, current.key)
+            if key is not None:
+                # (2b) A close loss on few steps may be one slow step: measure that split once more.
+                self.retrials -= 1
+                return RETRY_CLOSE, self.splits[key], (
+                    f"{len(key)} GPU-path groups measured {self.time(key):.3f} s in {len(self.measured[key])} "
+                    f"step(s), within {self.doubt:.0%} of {len(self.splits[best].gpu)} at {t_best:.3f} s")
             gain = predict(self.splits[best]) - predict(proposal)
             if (proposal.key not in self.measured and self.trials > 0
                     and gain > self.margin * t_best and self.beyond_a_loss(proposal, best) is None):
@@ -443,6 +442,20 @@ class SplitChooser:
         was = f"{self.time(current.key):.3f} s" if current.key in self.measured else "not measured yet"
         return SWITCH_FASTER, self.splits[best], (f"{len(self.splits[best].gpu)} GPU-path groups "
                                                   f"{t_best:.3f} s vs {len(current.gpu)} {was}")
+
+    def _close_runner_up(self, best: tuple, current: tuple, ahead: bool = False) -> tuple | None:
+        """A split to measure again by rule 2b (neither the fastest ``best`` nor the ``current`` one), or None.
+        ``ahead``: whether one may be, once the times still to come are in (each pending run counts as one more
+        measured step, whatever its time)."""
+        if self.retrials <= 0:
+            return None
+        t_best = self.time(best)
+        for key, times in self.measured.items():
+            n = len(times) + (self.pending.count(key) if ahead else 0)
+            if (key != best and key != current and (ahead or key not in self.pending) and n < self.window
+                    and self.time(key) <= t_best * (1 + self.doubt)):
+                return key
+        return None
 
     def beyond_a_loss(self, proposal: Split, best: tuple) -> tuple | None:
         """A measured split that lost to the fastest ``best`` by more than ``margin`` and lies between it and
@@ -463,15 +476,24 @@ class SplitChooser:
         return None
 
     def choosing(self) -> str:
-        """Why the split is still being chosen ("" when it is not): the next step runs a trial, or a split's
-        time is still to come. A benchmark's warm-up can wait for this (experiments' ``settle_steps``); a
-        later proposal (rule 2c, at most ``trials``) can still start a trial."""
+        """Why the split is still being chosen ("" when it is not): the next step runs a trial, a split's
+        time is still to come, or a switch back to the fastest comes between re-measurements of a close
+        runner-up (rule 2b). A benchmark's warm-up can wait for this (experiments' ``settle_steps``); a later
+        proposal (rule 2c, at most ``trials``) can still start a trial."""
         if self.pending and not self.measured:
             return "runtime split: no step time measured yet"
         if any(k not in self.measured for k in self.pending):
             return "runtime split: a trial's step time is still to come"
         if self.last_decision in (TRY_CPU_ONLY, TRY_PROPOSAL, RETRY_CLOSE, WARM_UP):
             return f"runtime split: the next step is a trial ({DECISIONS[self.last_decision]})"
+        if self.measured and self.last_decision == SWITCH_FASTER:
+            best = min(self.measured, key=self.time)
+            if self._close_runner_up(best, best, ahead=True) is not None:
+                # A switch back to the fastest between two re-measurements of a close runner-up (rule 2b): the
+                # next decision measures it again. (H100, 7B pure streaming 8x1024, 2026-12-07g: 20 GPU-path
+                # groups 1.91-1.93 s warm, 17 groups re-measured twice and the returns to 20 cold; the warm-up
+                # ended at such a switch, so four of the timed steps alternated: median 2.015 s.)
+                return "runtime split: a close runner-up is measured again after this switch"
         return ""
 
     def describe(self) -> str:
