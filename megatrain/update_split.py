@@ -338,7 +338,10 @@ class SplitChooser:
        a. the CPU path alone, once, if it was never measured (the model may be wrong about either path);
        b. a split that lost on fewer than ``window`` steps by less than ``doubt`` of the fastest's time, once
           more (at most ``retrials`` in all): one slow step (a host-update busy 20 % over its median is seen
-          from time to time on the H100 hosts) must not rule out a path for the rest of the run;
+          from time to time on the H100 hosts) must not rule out a path for the rest of the run; but not a
+          split that lost by more than ``margin`` on two steps already (a steady loss, not one slow step: on
+          the H100 at 7B each re-measurement of a runner-up also made the return to the fastest a cold step,
+          two steps lost each time, 2026-12-07g);
        c. the model's proposal (planned at rates calibrated on the splits that ran), once, when it differs from
           every measured split and the model, at those same rates, predicts it faster than the fastest
           measured split by more than ``margin`` of that split's step time (at most ``trials`` of them), and
@@ -452,8 +455,9 @@ class SplitChooser:
         t_best = self.time(best)
         for key, times in self.measured.items():
             n = len(times) + (self.pending.count(key) if ahead else 0)
+            losses = sum(t > t_best * (1 + self.margin) for t in times)
             if (key != best and key != current and (ahead or key not in self.pending) and n < self.window
-                    and self.time(key) <= t_best * (1 + self.doubt)):
+                    and losses < 2 and self.time(key) <= t_best * (1 + self.doubt)):
                 return key
         return None
 
