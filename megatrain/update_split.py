@@ -494,10 +494,10 @@ class SplitChooser:
             best = min(self.measured, key=self.time)
             if self._close_runner_up(best, best, ahead=True) is not None:
                 # A switch back to the fastest between two re-measurements of a close runner-up (rule 2b): the
-                # next decision measures it again. (H100, 7B pure streaming 8x1024, 2026-12-07g: 20 GPU-path
+                # next decision may measure it again. (H100, 7B pure streaming 8x1024, 2026-12-07g: 20 GPU-path
                 # groups 1.91-1.93 s warm, 17 groups re-measured twice and the returns to 20 cold; the warm-up
                 # ended at such a switch, so four of the timed steps alternated: median 2.015 s.)
-                return "runtime split: a close runner-up is measured again after this switch"
+                return "runtime split: a close runner-up may be measured again after this switch"
         return ""
 
     def describe(self) -> str:
