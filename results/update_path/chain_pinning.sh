@@ -9,8 +9,8 @@
 #   K=1 (~8-9 min): clipping fires; 7B pure streaming 8x1024: the CPU path as before / locked and the hybrid
 #       locked, fp32 then the bf16 shadow; then (H200) 14B tiered 16x1024 CPU path as before / locked
 #   K=2 (~8 min): 14B hybrid (H200), the 3B triple (clipping fires), then without clipping the 7B fp32 triple
-#   K=3 (H200 only, ~8 min; session 2026-12-07d): 14B tiered 16x1024, clipping fires: the CPU path, the hybrid,
-#       the hybrid with the bf16 shadow streamed (its host RAM may not fit: the plan then refuses, one row says why)
+#   K=3 (H200 only, ~8 min; session 2026-12-07d, 2026-12-07g): 14B tiered 16x1024, clipping fires: the CPU path,
+#       the hybrid (the reserve the plan chooses: 1 GiB at the H200 defaults), the hybrid with 16 GiB of staging
 #   K=4 (~7 min; 2026-12-07d, after K=0 and 1 showed no gain from "all"): clipping fires, the CPU path and the
 #       hybrid as they run by default (pin_host_state "stream"), 7B fp32 8x1024 then 3B 16x1024
 #   K=5 (~5 min): the kernel under copies with the host memory traffic (bench_host_pinning --copies: host_gbs),
@@ -74,7 +74,7 @@ case $K in
     [ $big = 1 ] || { say "K=3 needs an H200 (14B tiered)"; exit 2; }
     build_kernels
     new timeout_s=170 'sweep.models=[qwen2.5-14b]' time_budget_s=$(budget "$end") \
-      "$(pts qwen2.5-14b 16 tiered_cpu_pinned tiered_hybrid tiered_hybrid_bf16)"
+      "$(pts qwen2.5-14b 16 tiered_cpu_pinned tiered_hybrid tiered_hybrid_staged)"
     ;;
   4)
     build_kernels
