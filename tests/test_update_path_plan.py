@@ -453,6 +453,21 @@ def test_the_staging_reserve_is_chosen_where_kept_masters_are_predicted_much_fas
     assert c3.staging_reserve == 8 * GIB and c3.prediction.step_s == pytest.approx(1.056, abs=0.005)
 
 
+def test_the_reserves_chosen_on_the_nodes_of_2026_12_07g_are_reconstructed():
+    """The two H100 nodes of 2026-12-07g (rates their builds measured; results/update_path_auto_h100_2026-12-07g.md,
+    clipping fires, same runs). Node E, 7B 8x1024: the plan chose 16 GiB, predicted 1.812 s, ran 1.783 s (215.6
+    TFLOPS; the CPU path 146.4). Node D, 3B 16x1024: it chose 8 GiB (predicted 1.075 s) and ran 272.6 TFLOPS where
+    a fixed 16 GiB ran 249.4 (predicted slower too: fewer kept blocks for no more GPU-path groups)."""
+    e = _qwen_plan("qwen2.5-7b", 8192, dict(cpu_gps=4.661, cpu_loaded_gps=2.739, h2d_gbs=44.22, d2h_gbs=51.47))
+    assert e.staging_reserve == 16 * GIB and e.prediction.step_s == pytest.approx(1.812, abs=0.005)
+    assert e.prediction.parts["gpu_path_groups"] == 17  # as the run's first split
+    d3_rates = dict(cpu_gps=4.341, cpu_loaded_gps=2.554, h2d_gbs=41.44, d2h_gbs=51.14)
+    d3 = _qwen_plan("qwen2.5-3b", 16384, d3_rates)
+    d3_16 = _qwen_plan("qwen2.5-3b", 16384, d3_rates, staging_reserve=16 * GIB)
+    assert d3.staging_reserve == 8 * GIB and d3.prediction.step_s == pytest.approx(1.075, abs=0.005)
+    assert d3.prediction.step_s < d3_16.prediction.step_s and len(d3.kept_blocks) > len(d3_16.kept_blocks)
+
+
 def test_a_reserve_that_does_not_fit_is_not_a_candidate():
     """On a card with little memory to spare the larger reserves refuse (DoesNotFit); the choice is among those
     that fit, and a run that fits only at the default keeps it."""
