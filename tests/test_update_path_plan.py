@@ -419,6 +419,10 @@ def _qwen_plan(model, tokens, update, *, update_path="hybrid", staging_reserve=N
 # The two H100 nodes of 2026-12-07f (7B pure streaming 8x1024, clipping fires; rates the builds measured).
 NODE_A = dict(cpu_gps=4.14, cpu_loaded_gps=2.52, h2d_gbs=42.7, d2h_gbs=51.0)  # staged hybrid 1.32x the CPU path
 NODE_B = dict(cpu_gps=6.44, cpu_loaded_gps=5.18, h2d_gbs=42.9, d2h_gbs=34.1)  # no split ran faster there
+# Node C of 2026-12-07f (its 3B build) and nodes D (3B build) and E (7B build) of 2026-12-07g.
+NODE_C3 = dict(cpu_gps=4.23, cpu_loaded_gps=2.52, h2d_gbs=43.85, d2h_gbs=50.93)
+NODE_D3 = dict(cpu_gps=4.341, cpu_loaded_gps=2.554, h2d_gbs=41.44, d2h_gbs=51.14)
+NODE_E = dict(cpu_gps=4.661, cpu_loaded_gps=2.739, h2d_gbs=44.22, d2h_gbs=51.47)
 
 
 def test_the_staging_reserve_is_chosen_where_kept_masters_are_predicted_much_faster():
@@ -449,7 +453,7 @@ def test_the_staging_reserve_is_chosen_where_kept_masters_are_predicted_much_fas
     assert _qwen_plan("qwen2.5-7b", 8192, NODE_A, update_path="cpu").staging_reserve == 0
     # node C, 3B 16x1024 (4.23 / 2.52 Gparam/s): 8 GiB predicted 13 % faster than 1 GiB (1.056 vs 1.224 s); there
     # the 1 GiB hybrid ran 245.6 TFLOPS, 16 GiB 269.9, the CPU path 213.3
-    c3 = _qwen_plan("qwen2.5-3b", 16384, dict(cpu_gps=4.23, cpu_loaded_gps=2.52, h2d_gbs=43.85, d2h_gbs=50.93))
+    c3 = _qwen_plan("qwen2.5-3b", 16384, NODE_C3)
     assert c3.staging_reserve == 8 * GIB and c3.prediction.step_s == pytest.approx(1.056, abs=0.005)
 
 
@@ -458,12 +462,11 @@ def test_the_reserves_chosen_on_the_nodes_of_2026_12_07g_are_reconstructed():
     clipping fires, same runs). Node E, 7B 8x1024: the plan chose 16 GiB, predicted 1.812 s, ran 1.783 s (215.6
     TFLOPS; the CPU path 146.4). Node D, 3B 16x1024: it chose 8 GiB (predicted 1.075 s) and ran 272.6 TFLOPS where
     a fixed 16 GiB ran 249.4 (predicted slower too: fewer kept blocks for no more GPU-path groups)."""
-    e = _qwen_plan("qwen2.5-7b", 8192, dict(cpu_gps=4.661, cpu_loaded_gps=2.739, h2d_gbs=44.22, d2h_gbs=51.47))
+    e = _qwen_plan("qwen2.5-7b", 8192, NODE_E)
     assert e.staging_reserve == 16 * GIB and e.prediction.step_s == pytest.approx(1.812, abs=0.005)
     assert e.prediction.parts["gpu_path_groups"] == 17  # as the run's first split
-    d3_rates = dict(cpu_gps=4.341, cpu_loaded_gps=2.554, h2d_gbs=41.44, d2h_gbs=51.14)
-    d3 = _qwen_plan("qwen2.5-3b", 16384, d3_rates)
-    d3_16 = _qwen_plan("qwen2.5-3b", 16384, d3_rates, staging_reserve=16 * GIB)
+    d3 = _qwen_plan("qwen2.5-3b", 16384, NODE_D3)
+    d3_16 = _qwen_plan("qwen2.5-3b", 16384, NODE_D3, staging_reserve=16 * GIB)
     assert d3.staging_reserve == 8 * GIB and d3.prediction.step_s == pytest.approx(1.075, abs=0.005)
     assert d3.prediction.step_s < d3_16.prediction.step_s and len(d3.kept_blocks) > len(d3_16.kept_blocks)
 
@@ -471,11 +474,11 @@ def test_the_reserves_chosen_on_the_nodes_of_2026_12_07g_are_reconstructed():
 @pytest.mark.parametrize("node,model,tokens,rates,measured,path", [
     ("A", "qwen2.5-7b", 8192, NODE_A, "16 GiB hybrid 1.32x the CPU path", "hybrid"),
     ("B", "qwen2.5-7b", 8192, NODE_B, "no split faster than the CPU path (0.98x)", "cpu"),
-    ("C", "qwen2.5-3b", 16384, dict(cpu_gps=4.23, cpu_loaded_gps=2.52, h2d_gbs=43.85, d2h_gbs=50.93),
+    ("C", "qwen2.5-3b", 16384, NODE_C3,
      "16 GiB hybrid 1.27x", "hybrid"),
-    ("D", "qwen2.5-3b", 16384, dict(cpu_gps=4.341, cpu_loaded_gps=2.554, h2d_gbs=41.44, d2h_gbs=51.14),
+    ("D", "qwen2.5-3b", 16384, NODE_D3,
      "default hybrid 1.78x", "hybrid"),
-    ("E", "qwen2.5-7b", 8192, dict(cpu_gps=4.661, cpu_loaded_gps=2.739, h2d_gbs=44.22, d2h_gbs=51.47),
+    ("E", "qwen2.5-7b", 8192, NODE_E,
      "default hybrid 1.47x", "hybrid"),
 ])
 def test_update_path_auto_takes_the_path_that_won_on_each_h100_node(node, model, tokens, rates, measured, path):
