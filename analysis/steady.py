@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from experiments.schema import folder_is_rows
+from experiments.step_records import folder_is_rows
 
 FALL_TOL = 0.15   # a fall of more than 15 % from the first to the last timed step is not noise
 DAGGER = "†"

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from .cache import init_complete
-from .point import one_line, read_metrics, summarize
+from .point_frame import one_line, read_metrics, summarize
 from .schema import PARTIAL_MIN_STEPS, PHASE_COLUMNS, Row
 from .sweeps import Job
 

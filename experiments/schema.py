@@ -22,10 +22,12 @@ import functools
 import math
 import os
 import re
-import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .schema_legacy import upgrade
+from .step_records import PHASE_COLUMNS
 
 SCHEMA_VERSION = 4
 
@@ -170,37 +172,9 @@ COLUMNS: list[str] = list(FIELDS)
 DESCRIPTIONS: dict[str, str] = {n: f.metadata["doc"] for n, f in FIELDS.items()}
 # Headers by version: v1 (before optimizer/settings), v2 (before the typed fields), v3 (before the host
 # update's phases), v4 (COLUMNS).
-PHASE_COLUMNS = ("cpu_groups", "gpu_path_groups", "host_update_busy_s", "optimizer_exposed_s")
 HEADERS: dict[int, list[str]] = {4: COLUMNS, 3: COLUMNS[:COLUMNS.index(PHASE_COLUMNS[0])],
                                  2: COLUMNS[:COLUMNS.index("reason")], 1: COLUMNS[:COLUMNS.index("optimizer")]}
 READABLE_HEADERS: list[list[str]] = list(HEADERS.values())
-
-# A point folder is a row's own when its timed steps' median is within this of the row's median (a merged row
-# whose folder did not come back sits beside an older run's folder: its steps are not the row's).
-FOLDER_MATCH_TOL = 0.005
-
-
-def folder_is_rows(times: list[float], median_s) -> bool:
-    """Whether timed step ``times`` (a point folder's) are the ones a row of median ``median_s`` came from."""
-    try:
-        want = float(median_s)
-    except (TypeError, ValueError):
-        return False
-    if not times or not math.isfinite(want) or want <= 0:
-        return False
-    return abs(statistics.median(times) - want) <= FOLDER_MATCH_TOL * want
-
-
-def phase_medians(timed: list[dict]) -> dict:
-    """The v4 columns (``PHASE_COLUMNS``) of a point: the median over its timed steps' records (metrics.jsonl
-    lines) of each key in their ``phases``, where every timed step has it (MegaTrain's; other systems none)."""
-    out = {}
-    for k in PHASE_COLUMNS:
-        vals = [(r.get("phases") or {}).get(k) for r in timed]
-        if vals and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
-            out[k] = float(statistics.median(vals))
-    return out
-
 
 STRING_COLUMNS = frozenset(n for n, f in FIELDS.items() if f.type == "str")
 BOOL_COLUMNS = frozenset(n for n, f in FIELDS.items() if f.type.startswith("bool"))
@@ -404,9 +378,7 @@ def read_records(path) -> list[dict[str, str]]:
         recs = list(csv.DictReader(f))
     version = header_version(header)
     if version < SCHEMA_VERSION:
-        from .schema_legacy import upgrade
-
-        recs = [upgrade(r, version, path.parent / r.get("point", "")) for r in recs]
+        recs = [dict(upgrade(r, version, path.parent / r.get("point", "")), schema=str(SCHEMA_VERSION)) for r in recs]
     return [{c: r.get(c, "") or "" for c in COLUMNS} for r in recs]
 
 

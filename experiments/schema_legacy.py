@@ -14,6 +14,8 @@ import re
 import statistics
 from pathlib import Path
 
+from .step_records import folder_is_rows, row_phases
+
 _GIB = r"(\d[\d,]*(?:\.\d+)?)\s*GiB"
 
 
@@ -92,11 +94,9 @@ def step_fields(point_dir: Path, max_grad_norm: float | None) -> dict:
 
 
 def phase_fields(point_dir: Path, median_s: float | None) -> dict:
-    """The v4 columns (``experiments.schema.PHASE_COLUMNS``: medians over the timed steps of MegaTrain's
+    """The v4 columns (``experiments.step_records.PHASE_COLUMNS``: medians over the timed steps of MegaTrain's
     per-step phases) from ``metrics.jsonl``, only when that folder's timed-step median is the row's own
     (``median_s``): a folder left by another run of the point must not lend its phases."""
-    from .schema import folder_is_rows, phase_medians
-
     try:
         recs = [json.loads(l) for l in (point_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
     except (OSError, ValueError):
@@ -104,19 +104,17 @@ def phase_fields(point_dir: Path, median_s: float | None) -> dict:
     timed = [r for r in recs if isinstance(r, dict) and not r.get("warmup") and r.get("step_time_s") is not None]
     if not folder_is_rows([float(r["step_time_s"]) for r in timed], median_s):
         return {}
-    return phase_medians(timed)
+    return row_phases(timed)
 
 
 def upgrade(rec: dict, version: int, point_dir: Path) -> dict:
     """An older CSV record (cells) as a current-schema record (cells): the old cells unchanged, the typed
-    fields filled where the error text or the point folder tells them (v3: only the host update's phases)."""
-    from .schema import SCHEMA_VERSION
-
+    fields filled where the error text or the point folder tells them (v3: only the host update's phases); the
+    caller (``experiments.schema.read_records``) stamps the current version."""
     out = dict(rec) if version >= 3 else _upgrade_to_v3(rec, point_dir)
     if out.get("status") == "ok":
         median = _num(out.get("step_time_median_s") or None)
         out.update({k: _cell(v) for k, v in phase_fields(point_dir, median).items()})
-    out["schema"] = str(SCHEMA_VERSION)
     return out
 
 

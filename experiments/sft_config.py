@@ -3,6 +3,7 @@ generated task, how often to evaluate. Torch-free (the runner's hydra schema).""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 
@@ -32,3 +33,21 @@ class SFTConfig:
     max_new_tokens: int = 32
     gen_batch: int = 500
     eval_batch: int = 128
+
+
+def problem(sft: dict | None) -> str | None:
+    """Why a sweep's ``sft`` task cannot run (checked by the runner, ``experiments.sweeps.invalid_reason``,
+    before anything starts); None if it can."""
+    try:
+        cfg = SFTConfig(**(sft or {}))
+    except TypeError as e:
+        return f"sweep.sft: {e}"
+    if bool(cfg.gguf) == bool(cfg.model_dir):
+        return "sweep.sft: set exactly one of gguf (a .gguf file) and model_dir (an HF folder)"
+    src = Path(cfg.gguf or cfg.model_dir)
+    if not src.exists():
+        hint = " (bash scripts/ship_gguf.sh split, or join on the device)" if cfg.gguf else ""
+        return f"sweep.sft: {src} does not exist{hint}"
+    if cfg.eval_every < 1 or cfg.accuracy_every < 0 or cfg.n_eval < 1 or cfg.n_train < 1:
+        return "sweep.sft: eval_every, n_eval and n_train must be >= 1, accuracy_every >= 0"
+    return None

@@ -21,8 +21,8 @@ import statistics
 import time
 from pathlib import Path
 
-from .point import (_finite, build_measured, close_point, open_point, record_failure, record_memory, start_point,
-                    timed_step)
+from .point_frame import (build_measured, close_point, finite, open_point, record_failure, record_memory, start_point,
+                          timed_step)
 from .sft_config import SFTConfig
 from .sweeps import Job
 
@@ -33,25 +33,6 @@ SPEC_KEYS = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers", "n
 
 def sft_config(job: Job) -> SFTConfig:
     return SFTConfig(**(job.sft or {}))
-
-
-def invalid_reason(job: Job) -> str | None:
-    """Why an SFT job cannot run (checked by the runner before anything starts); None if it can."""
-    try:
-        cfg = sft_config(job)
-    except TypeError as e:
-        return f"sweep.sft: {e}"
-    if bool(cfg.gguf) == bool(cfg.model_dir):
-        return "sweep.sft: set exactly one of gguf (a .gguf file) and model_dir (an HF folder)"
-    src = Path(cfg.gguf or cfg.model_dir)
-    if not src.exists():
-        hint = " (bash scripts/ship_gguf.sh split, or join on the device)" if cfg.gguf else ""
-        return f"sweep.sft: {src} does not exist{hint}"
-    if cfg.eval_every < 1 or cfg.accuracy_every < 0 or cfg.n_eval < 1 or cfg.n_train < 1:
-        return "sweep.sft: eval_every, n_eval and n_train must be >= 1, accuracy_every >= 0"
-    if job.micro_batches > job.batch_size:
-        return f"micro_batches {job.micro_batches} > batch_size {job.batch_size}"
-    return None
 
 
 # -- the model folder ----------------------------------------------------------------------------
@@ -97,7 +78,7 @@ def _engine_counters(system) -> dict:
     if phases is None:
         return {}
     st = phases()
-    return {k: _finite(st.get(k)) for k in ("speculated", "rollbacks", "clipped", "skipped", "early_groups")
+    return {k: finite(st.get(k)) for k in ("speculated", "rollbacks", "clipped", "skipped", "early_groups")
             if k in st}
 
 

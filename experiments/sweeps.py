@@ -35,6 +35,7 @@ from megatrain.system import OptimConfig
 
 from . import config as C
 from .schema import point_id
+from .sft_config import problem as sft_problem
 
 GIB = 2**30
 NATIVE_BYTES_PER_PARAM = 12
@@ -582,11 +583,10 @@ def invalid_reason(job: Job) -> str | None:
                 f"set max_position_embeddings={job.seq_len} (or more) to raise them for every system")
     if job.gpus < 1:
         return f"gpus={job.gpus} must be >= 1"
-    if job.sft:
-        from .sft_point import invalid_reason as sft_invalid
-
-        if sft_invalid(job):
-            return sft_invalid(job)
+    if job.micro_batches > job.batch_size:
+        return f"micro_batches {job.micro_batches} > batch_size {job.batch_size}"
+    if job.sft and sft_problem(job.sft):
+        return sft_problem(job.sft)
     rec = SYSTEM_RECORDS.get(job.system)
     max_gpus = rec.max_gpus if rec else 1
     if job.gpus > max_gpus:

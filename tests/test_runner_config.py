@@ -387,7 +387,7 @@ def test_engine_option_walk_from_command_line_to_engine_config(compose_fn, monke
     from megatrain import placement
     from megatrain.config import EngineConfig
 
-    from experiments import point
+    from experiments import point_frame as point
     from experiments.sweeps import Job
 
     _, jobs = expand(compose_fn, "sweep=smoke", "system=megatrain", "system.options.checkpoint_interval=2",

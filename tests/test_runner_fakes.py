@@ -101,7 +101,7 @@ def test_fake_behaviors_are_classified_as_the_runner_expects():
     import torch
 
     from baselines.oom import failure_status as classify
-    from experiments.point import error_text
+    from experiments.point_frame import error_text
 
     assert classify(RuntimeError("x")) == "error"
     assert classify(torch.OutOfMemoryError("CUDA out of memory.")) == "gpu_oom"

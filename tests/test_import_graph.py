@@ -1,0 +1,85 @@
+"""The project's packages import each other in one direction: no module reaches, through any chain of
+imports (function-local ones included), back to itself. A circle hides in a lazy import until a refactor
+moves it to the top and Python fails half-initialised; the runner's point process and the row schema had
+two (point <-> sft_point <-> sweeps, schema <-> schema_legacy) before experiments/point_frame.py and
+experiments/step_records.py."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("megatrain", "experiments", "baselines", "analysis")
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The project modules ``path`` imports anywhere in its body (``from . import x`` counts as ``pkg.x``
+    where that is a module, else as the package)."""
+    me = _module(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(base + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        out |= {n for n in names if n in modules and n != me}
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    files = [p for pkg in PACKAGES for p in (ROOT / pkg).glob("*.py")]
+    modules = {_module(p) for p in files}
+    # a package's __init__ is imported with every module of it: not an edge of the circles we look for
+    return {_module(p): {m for m in _imports(p, modules) if m not in PACKAGES} for p in files}
+
+
+def _circle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                return stack[stack.index(n):] + [n]
+            if n not in state and (found := visit(n)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_the_graph_sees_lazy_and_relative_imports():
+    g = _graph()
+    assert "experiments.point_frame" in g["experiments.sft_point"]        # from .point_frame import (...)
+    assert "experiments.sft_point" in g["experiments.point"]              # inside main(): a lazy import
+    assert "megatrain.engine" in g["baselines.megatrain_system"]                # across packages
+
+
+def test_no_module_imports_itself_back():
+    circle = _circle(_graph())
+    assert circle is None, "import circle: " + " -> ".join(circle)
+
+
+def test_a_circle_is_found():
+    assert _circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _circle({"a": {"b"}, "b": set()}) is None
