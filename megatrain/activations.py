@@ -48,7 +48,7 @@ def gpu_working_set(*, num_layers: int, hidden: int, ffn: int, vocab: int, micro
 
     ``mlp_chunk_tokens``: -1 never, 0 auto, N tokens, resolved for t by megatrain.chunked_mlp.resolve_chunk
     (0: the threshold rule). The placement plan passes the value it decided (-1 where "auto" fits
-    unchunked, megatrain/placement.py) and the engine runs the plan's resolved value, so the prediction is
+    unchunked, megatrain/planner.py) and the engine runs the plan's resolved value, so the prediction is
     made for what runs. ``boundaries_on_gpu``: None keeps every boundary on the GPU
     (boundary_offload="gpu"); g >= 0 keeps g of them there and offloads the rest (0: "host").
     ``kept_layers``: layers whose blocks keep their activations; ``recomputed_blocks``: blocks recomputed

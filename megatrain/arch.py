@@ -108,7 +108,7 @@ def run_layer(layer: nn.Module, hidden: torch.Tensor, mask, position_ids, positi
     """One decoder layer on ``hidden`` [batch, seq, h].
 
     ``mlp_chunk_tokens`` (-1 never, 0 auto, N tokens; the engine passes the placement plan's resolved value,
-    megatrain/placement.py) bounds the layer's autograd working set at long sequences (see
+    megatrain/planner.py) bounds the layer's autograd working set at long sequences (see
     megatrain/chunked_mlp.py). When it resolves to "no chunking" the HF layer's own forward runs, exactly
     as without this option. Otherwise the layer's submodules are called explicitly in the order every
     supported family's decoder layer uses (transformers 5.x, llama / qwen2 / qwen3 / mistral):

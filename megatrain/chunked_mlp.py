@@ -29,7 +29,7 @@ import torch
 # 34edccb) the 3B shape at 158x1024 tokens per step (one micro-batch) ran chunked at 291.6 TFLOPS with the
 # whole model on the GPU tier and ~40 GiB to spare, against 347.6 at 128K unchunked and 335.3 for plain
 # all-on-GPU PyTorch at 158x1024. So on a GPU "auto" above the threshold is the placement plan's decision
-# (megatrain/placement.py): unchunked when that plan fits and places everything as the chunked one does.
+# (megatrain/planner.py): unchunked when that plan fits and places everything as the chunked one does.
 # That rule has NOT yet been measured on a GPU. On the CPU (tests) the threshold rule stands.
 AUTO_MIN_TOKENS = 131072
 AUTO_CHUNK_TOKENS = 16384

@@ -73,7 +73,7 @@ class EngineConfig:
     host_margin_gib: float = 2.0
     # Tiered memory: decoder layers that live entirely on the GPU (fp32 master + AdamW m, v, updated by a
     # fused AdamW on the GPU). "auto": as many as fit after the streaming working set (see
-    # megatrain/placement.py); an integer N: layers 0..N-1 (plus embedding and head) on the GPU; "0": pure
+    # megatrain/planner.py); an integer N: layers 0..N-1 (plus embedding and head) on the GPU; "0": pure
     # streaming, as in the paper. Given as a string so one type carries both (hydra: gpu_resident=12).
     gpu_resident: str = "auto"
     # GPU memory kept free by the placement plan (GiB), on top of its working-set estimate.
@@ -89,7 +89,7 @@ class EngineConfig:
     max_position_embeddings: int = 0
     # Tokens per chunk when recomputing/backpropagating a layer's MLP (bounds the per-layer working set
     # at long sequence lengths). 0 = "auto": never at <= 131072 tokens per micro-batch; above, on a GPU the
-    # placement plan decides (unchunked when that fits without placing less on the GPU; megatrain/placement.py),
+    # placement plan decides (unchunked when that fits without placing less on the GPU; megatrain/planner.py),
     # on the CPU chunks of 16384. -1 = never chunk.
     mlp_chunk_tokens: int = 0
     # Block-boundary activations: "gpu" (kept on the GPU), "host" (offloaded to pinned host memory on the
@@ -105,7 +105,7 @@ class EngineConfig:
     # from the block's boundary. "all": recompute every block (the paper); "none": keep every block (refused
     # when that does not fit the GPU); "auto": the placement plan keeps what fits in the GPU memory the tiers
     # leave, and where a GPU byte could hold a GPU-tier layer or kept activations the step-time model picks
-    # the faster split (megatrain/placement.py, cost_model.py). On a CPU run "auto" recomputes as "all".
+    # the faster split (megatrain/planner.py, cost_model.py). On a CPU run "auto" recomputes as "all".
     recompute: str = "auto"
     # With several micro-batches: "layers" runs each layer on every micro-batch before the next layer (each
     # layer loaded twice per step; every micro-batch's activations held at once); "sequential" runs forward
@@ -131,7 +131,7 @@ class EngineConfig:
     # With "hybrid" on a GPU: GiB the placement plan keeps free for the GPU path's staging (two rotating
     # master+m+v chunk buffers, ~0.9 GiB at full chunk size, then kept masters, 4 B/param, in forward
     # order); GPU memory the plan leaves unused beyond its margin is used as well. None ("auto"): the plan
-    # chooses it (placement.STAGING_CANDIDATES_GIB, 1 GiB unless a larger reserve is predicted RESERVE_GAIN
+    # chooses it (planner.STAGING_CANDIDATES_GIB, 1 GiB unless a larger reserve is predicted RESERVE_GAIN
     # faster: kept masters bought with kept activation blocks or GPU-tier layers).
     update_staging_gib: Optional[float] = None
     # With "hybrid": upload some GPU-path groups' master, m and v during the backward, as their gradients

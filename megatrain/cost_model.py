@@ -1,6 +1,6 @@
 """The step-time model: one step's predicted time, and its parts, from measured rates.
 
-One model for every choice the planner makes (megatrain/placement.py): which groups live on the GPU tier,
+One model for every choice the planner makes (megatrain/planner.py): which groups live on the GPU tier,
 which checkpoint blocks keep their activations instead of recomputing them, where the host tier's gradients
 wait for the norm (``grad_placement``) and whether host-tier groups are updated through the GPU too
 (``update_path``). The plan predicts a step for each candidate and keeps the fastest that fits; the engine

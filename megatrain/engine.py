@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import arch, checkpoint, checkpoint_layout, cost_model, memory, placement
+from . import arch, checkpoint, checkpoint_layout, cost_model, memory, placement, planner
 from .boundaries import HostBuffers, make_boundaries
 from .compute_policy import make_policy
 from .config import EngineConfig
@@ -228,17 +228,17 @@ class MegaTrain:
                                   vocab=hc.vocab_size, tokens_per_micro_batch=self.planned_tokens_per_micro_batch,
                                   compute_bytes=c, on_gpu=on_gpu, seq_len=seq)
         gpu_free = memory.gpu_free_bytes(self.device) if on_gpu else 0
-        return placement.plan({g.name: g.numel for g in self.groups}, shape, setting=cfg.gpu_resident,
-                              on_gpu=on_gpu, gpu_free=gpu_free, host_available=memory.available_host_bytes(),
-                              gpu_margin=int(cfg.gpu_margin_gib * placement.GIB),
-                              host_margin=int(cfg.host_margin_gib * placement.GIB), tiers=tiers,
-                              grads=cfg.grad_placement, kept=keep, rates=rates,
-                              update_path="cpu" if (self.dist and cfg.update_path == "auto") else cfg.update_path,
-                              staging_reserve=placement.staging_bytes(cfg.update_staging_gib) if on_gpu else 0,
-                              # keep an explicit "hybrid" as asked: a forced split, prefetch (not in the model),
-                              # data parallel (refused by build_host_tier)
-                              gpu_path_forced=(cfg.gpu_path_groups != "auto" or cfg.gpu_path_prefetch
-                                               or self.dist is not None))
+        return planner.plan({g.name: g.numel for g in self.groups}, shape, setting=cfg.gpu_resident,
+                            on_gpu=on_gpu, gpu_free=gpu_free, host_available=memory.available_host_bytes(),
+                            gpu_margin=int(cfg.gpu_margin_gib * placement.GIB),
+                            host_margin=int(cfg.host_margin_gib * placement.GIB), tiers=tiers,
+                            grads=cfg.grad_placement, kept=keep, rates=rates,
+                            update_path="cpu" if (self.dist and cfg.update_path == "auto") else cfg.update_path,
+                            staging_reserve=planner.staging_bytes(cfg.update_staging_gib) if on_gpu else 0,
+                            # keep an explicit "hybrid" as asked: a forced split, prefetch (not in the model),
+                            # data parallel (refused by build_host_tier)
+                            gpu_path_forced=(cfg.gpu_path_groups != "auto" or cfg.gpu_path_prefetch
+                                             or self.dist is not None))
 
     def _staging_reserve_gib(self) -> float:
         """GPU memory the plan kept free for the host tier's GPU update path (update_path "hybrid", or "auto"
@@ -372,7 +372,7 @@ class MegaTrain:
         """(index of the first micro-batch, micro-batches) of each pass over the layers: one pass with every
         micro-batch (each layer loaded twice per step, every micro-batch's activations held), or with
         micro_batch_schedule "sequential" one pass per micro-batch (loaded twice per micro-batch, one
-        micro-batch's activations held: more blocks kept; the plan chooses, megatrain/placement.py)."""
+        micro-batch's activations held: more blocks kept; the plan chooses, megatrain/planner.py)."""
         if self.placement.sequential:
             return [(i, [mb]) for i, mb in enumerate(mbs)]
         return [(0, mbs)]
@@ -387,7 +387,7 @@ class MegaTrain:
 
     def _mlp_chunk(self, tokens: list[int]) -> int:
         """mlp_chunk_tokens for a step with ``tokens`` per micro-batch: the plan's resolved value ("auto" is
-        the plan's decision, megatrain/placement.py), which the plan's GPU prediction was made with."""
+        the plan's decision, megatrain/planner.py), which the plan's GPU prediction was made with."""
         if max(tokens) > self.planned_tokens_per_micro_batch:
             # The plan checked its choice only at the tokens it was made for; unchunked may not fit with
             # more. The config's own rule ("auto": chunk above AUTO_MIN_TOKENS) bounds memory as before.

@@ -1,5 +1,5 @@
 """Where a group's final gradient waits until the step's global norm is known (``EngineConfig.grad_placement``,
-resolved by the placement plan, megatrain/placement.py).
+resolved by the placement plan, megatrain/planner.py).
 
 The engine hands every final gradient to ``place(name, flat, ready)`` right after its squared norm was
 computed on the GPU, and passes what comes back to the group's optimizer:

@@ -1,5 +1,5 @@
 """Host-memory model of the engine's host tier (see README "Formulas"); the full two-tier plan, checked
-before anything is allocated, is megatrain/placement.py.
+before anything is allocated, is megatrain/planner.py (its records megatrain/placement.py).
 
 host bytes = 12·P_host                  fp32 master + AdamW m + v of the host-tier groups
            + 2·P_host (bf16 stream)     pinned bf16 shadow of the master
@@ -17,7 +17,7 @@ from dataclasses import fields
 
 import psutil
 
-from . import placement
+from . import placement, planner
 from .placement import OVERHEAD_HOST_BYTES
 
 SLAB_BYTES = (1 << 24) * 4  # megatrain.grad_offload.CHUNK_ELEMS fp32 elements per slab
@@ -162,8 +162,8 @@ def plan_for_spec(spec, options=None, *, micro_batches: int = 1, tokens_per_step
                        vocab=spec.vocab_size, tokens_per_micro_batch=max(1, tokens_per_step // micro_batches),
                        compute_bytes=4 if cfg.mixed_precision == "autocast" else 2, on_gpu=True,
                        seq_len=seq_len or min(spec.max_position_embeddings, max(1, tokens_per_step // micro_batches)))
-    return placement.plan(spec_group_numels(spec), shape, setting=str(cfg.gpu_resident), on_gpu=True,
-                          gpu_free=gpu_free, host_available=host_available,
-                          gpu_margin=int(cfg.gpu_margin_gib * placement.GIB),
-                          host_margin=int(cfg.host_margin_gib * placement.GIB), grads=cfg.grad_placement,
-                          update_path=cfg.update_path, staging_reserve=placement.staging_bytes(cfg.update_staging_gib))
+    return planner.plan(spec_group_numels(spec), shape, setting=str(cfg.gpu_resident), on_gpu=True,
+                        gpu_free=gpu_free, host_available=host_available,
+                        gpu_margin=int(cfg.gpu_margin_gib * placement.GIB),
+                        host_margin=int(cfg.host_margin_gib * placement.GIB), grads=cfg.grad_placement,
+                        update_path=cfg.update_path, staging_reserve=planner.staging_bytes(cfg.update_staging_gib))

@@ -10,6 +10,7 @@ import torch
 
 from megatrain import EngineConfig, MegaTrain, OptimConfig, PRESETS
 from megatrain import placement as placement_mod
+from megatrain import planner
 
 from test_engine_parity import (OPTIM, RTOL, assert_matches_reference, assert_parity, batches, engine_cfg,
                                 assert_state_restored, inject_nan_gradient, train_past_a_nan_step)
@@ -136,25 +137,25 @@ def _numels_7b():
 
 def test_plan_auto_fills_gpu_in_preference_order_and_refuses_with_numbers():
     numels, gib = _numels_7b(), 2**30
-    plan = placement_mod.plan(numels, _shape(), setting="auto", on_gpu=True, gpu_free=80 * gib,
+    plan = planner.plan(numels, _shape(), setting="auto", on_gpu=True, gpu_free=80 * gib,
                               host_available=120 * gib, gpu_margin=6 * gib, host_margin=2 * gib)
     gpu = plan.gpu_names
     assert gpu[0] == "embed" and gpu[1:] == [f"layer.{i}" for i in range(len(gpu) - 1)]  # a prefix
     assert 5 < len(gpu) < 28 and plan.tiers["final"] == "host"
     assert sum(plan.gpu_parts.values()) <= plan.gpu_budget
     # The 7B shape fits an H200 whole (the head goes last).
-    plan = placement_mod.plan(numels, _shape(), setting="auto", on_gpu=True, gpu_free=139 * gib,
+    plan = planner.plan(numels, _shape(), setting="auto", on_gpu=True, gpu_free=139 * gib,
                               host_available=120 * gib, gpu_margin=6 * gib, host_margin=2 * gib)
     assert plan.host_names == []
     # Pure streaming on a host too small: refused with both memories' numbers.
     with pytest.raises(MemoryError, match=r"host needs .* GiB but 40\.00 GiB is available"):
-        placement_mod.plan(numels, _shape(), setting="0", on_gpu=True, gpu_free=139 * gib,
+        planner.plan(numels, _shape(), setting="0", on_gpu=True, gpu_free=139 * gib,
                            host_available=40 * gib, gpu_margin=6 * gib, host_margin=2 * gib)
     with pytest.raises(MemoryError, match="GPU needs"):
-        placement_mod.plan(numels, _shape(), setting="28", on_gpu=True, gpu_free=80 * gib,
+        planner.plan(numels, _shape(), setting="28", on_gpu=True, gpu_free=80 * gib,
                            host_available=120 * gib, gpu_margin=6 * gib, host_margin=2 * gib)
     with pytest.raises(ValueError, match="only 28 decoder layers"):
-        placement_mod.plan(numels, _shape(), setting="29", on_gpu=True, gpu_free=80 * gib,
+        planner.plan(numels, _shape(), setting="29", on_gpu=True, gpu_free=80 * gib,
                            host_available=120 * gib, gpu_margin=6 * gib, host_margin=2 * gib)
 
 

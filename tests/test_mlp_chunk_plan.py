@@ -1,5 +1,5 @@
 """mlp_chunk_tokens = 0 ("auto") decided by the placement plan: unchunked where the unchunked plan fits and
-places everything as the chunked one does, chunks of 16384 otherwise (megatrain/placement.py); the engine
+places everything as the chunked one does, chunks of 16384 otherwise (megatrain/planner.py); the engine
 runs the plan's resolved value (megatrain/engine.py ``_mlp_chunk``).
 
 Measured reason (H200, commit 34edccb): the 3B shape at 158x1024 tokens ran chunked at 291.6 TFLOPS with the
@@ -16,6 +16,7 @@ from megatrain import PRESETS, arch
 from megatrain import boundaries as boundaries_mod
 from megatrain import engine as engine_mod
 from megatrain import placement as placement_mod
+from megatrain import planner
 from megatrain.activations import gpu_working_set
 from megatrain.chunked_mlp import AUTO_CHUNK_TOKENS, AUTO_MIN_TOKENS
 from megatrain.engine import MegaTrain
@@ -116,7 +117,7 @@ def test_tokens_per_micro_batch_decide_not_tokens_per_step():
 
 
 def _shape(tokens, chunk):
-    """A tiny step shape for placement.plan directly."""
+    """A tiny step shape for planner.plan directly."""
     return placement_mod.StepShape(num_layers=2, hidden=8, ffn=32, vocab=16, micro_batches=1,
                                    tokens_per_micro_batch=tokens, block=1, num_pool_slots=2, compute_bytes=4,
                                    stream_fp32=True, bf16_shadow=False, slab_bytes_total=0, loss_chunk_tokens=64,
@@ -127,9 +128,9 @@ def test_cpu_keeps_the_threshold_rule():
     """on_gpu False: one memory, nothing to decide; "auto" chunks above the threshold as before."""
     numels = {"embed": 128, "layer.0": 1000, "layer.1": 1000, "final": 8}
     kw = dict(setting="auto", gpu_free=0, host_available=1 << 62, gpu_margin=0, host_margin=0)
-    cpu = placement_mod.plan(numels, _shape(AUTO_MIN_TOKENS + 1, 0), on_gpu=False, **kw)
+    cpu = planner.plan(numels, _shape(AUTO_MIN_TOKENS + 1, 0), on_gpu=False, **kw)
     assert cpu.mlp_chunk_tokens == AUTO_CHUNK_TOKENS and "auto: > 131072" in cpu.summary()
-    gpu = placement_mod.plan(numels, _shape(AUTO_MIN_TOKENS + 1, 0), on_gpu=True, **dict(kw, gpu_free=1 << 62))
+    gpu = planner.plan(numels, _shape(AUTO_MIN_TOKENS + 1, 0), on_gpu=True, **dict(kw, gpu_free=1 << 62))
     assert gpu.mlp_chunk_tokens == -1  # the same shape on a roomy GPU: unchunked
     want = gpu_working_set(num_layers=2, hidden=8, ffn=32, vocab=16, micro_batches=1,
                            tokens_per_micro_batch=AUTO_MIN_TOKENS + 1, block=1, compute_bytes=4,
@@ -140,14 +141,14 @@ def test_cpu_keeps_the_threshold_rule():
 # -- the engine --------------------------------------------------------------------------------------
 def _plan_says(monkeypatch, chunk):
     """Make the engine's plan resolve MLP chunking to ``chunk`` (whatever the config asks)."""
-    real = placement_mod.plan
+    real = planner.plan
 
     def plan(*a, **kw):
         p = real(*a, **kw)
         p.mlp_chunk_tokens, p.mlp_chunk_reason = chunk, "test"
         return p
 
-    monkeypatch.setattr(placement_mod, "plan", plan)
+    monkeypatch.setattr(planner, "plan", plan)
 
 
 def _spy_run_layer(monkeypatch):

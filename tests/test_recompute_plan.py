@@ -9,6 +9,7 @@ import pytest
 
 from megatrain import EngineConfig, MegaTrain, PRESETS
 from megatrain import cost_model, placement
+from megatrain import planner
 from megatrain.memory import plan_for_spec
 from megatrain.spec import get_preset
 
@@ -63,12 +64,12 @@ def test_contested_memory_goes_to_the_faster_split():
                        tokens_per_micro_batch=16 * 1024, compute_bytes=2, on_gpu=True, seq_len=1024)
     kw = dict(setting="auto", on_gpu=True, gpu_free=64 * GIB, host_available=120 * GIB, gpu_margin=6 * GIB,
               host_margin=2 * GIB)
-    default = placement.plan(numels, shape, **kw)
-    fast = placement.plan(numels, shape, rates=fast_host, **kw)
+    default = planner.plan(numels, shape, **kw)
+    fast = planner.plan(numels, shape, rates=fast_host, **kw)
     assert len(default.kept_blocks) < 36
     assert fast.host_names and len(fast.kept_blocks) > len(default.kept_blocks)
-    every = placement.plan(numels, dataclasses.replace(shape, recompute="all"), rates=fast_host, **kw)
-    assert fast.prediction.step_s < every.prediction.step_s * (1 - placement.CONTESTED_GAIN)
+    every = planner.plan(numels, dataclasses.replace(shape, recompute="all"), rates=fast_host, **kw)
+    assert fast.prediction.step_s < every.prediction.step_s * (1 - planner.CONTESTED_GAIN)
 
 
 def test_sequential_micro_batches_keep_every_block_at_3b_64k():

@@ -384,7 +384,7 @@ def test_engine_option_walk_from_command_line_to_engine_config(compose_fn, monke
     into the point's one EngineConfig at expansion (experiments/sweeps.py), crosses job.json typed, and the
     point process, the registry and the system adapter hand that very object to the engine, which gives
     ``gpu_resident`` to the placement plan. A re-parse on the way (a new hop) breaks the identity below."""
-    from megatrain import placement
+    from megatrain import planner
     from megatrain.config import EngineConfig
 
     from experiments import point_frame as point
@@ -419,7 +419,7 @@ def test_engine_option_walk_from_command_line_to_engine_config(compose_fn, monke
     import megatrain.engine as engine
 
     monkeypatch.setattr(engine.MegaTrain, "__init__", spy_init)
-    monkeypatch.setattr(placement, "plan", spy_plan)
+    monkeypatch.setattr(planner, "plan", spy_plan)
     with pytest.raises(Reached):
         point.build_system(dataclasses.replace(back, init_dir=""))  # shared_init=false: from the spec
     assert seen["cfg"] is back.options and seen["setting"] == "1"

@@ -10,6 +10,7 @@ import pytest
 
 from megatrain import PRESETS, MegaTrain, cost_model
 from megatrain import placement as P
+from megatrain import planner
 from megatrain.host_tier import build_host_tier
 
 from test_engine_parity import assert_parity, batches, engine_cfg
@@ -33,7 +34,7 @@ def _shape(**kw):
 
 
 def _plan(rates, gpu_gib=10, grads="auto", update_path="cpu", setting="auto", **shape_kw):
-    return P.plan(_numels(), _shape(**shape_kw), setting=setting, on_gpu=True, gpu_free=int(gpu_gib * GIB),
+    return planner.plan(_numels(), _shape(**shape_kw), setting=setting, on_gpu=True, gpu_free=int(gpu_gib * GIB),
                   host_available=1 << 40, gpu_margin=0, host_margin=0, grads=grads, rates=rates,
                   update_path=update_path, staging_reserve=GIB)
 
@@ -75,7 +76,7 @@ def test_grad_placement_host_needs_the_contested_gain():
     load_host = P.step_load(_numels(), plan.tiers, _shape(grads="host"))
     assert load_host.grads_on_host and not load_gpu.grads_on_host
     a, b = cost_model.predict(load_gpu).step_s, cost_model.predict(load_host).step_s
-    assert b >= a * (1 - P.CONTESTED_GAIN)
+    assert b >= a * (1 - planner.CONTESTED_GAIN)
 
 
 def test_grad_placement_when_gpu_does_not_fit_is_host_as_before():

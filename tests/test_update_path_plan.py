@@ -11,6 +11,7 @@ import pytest
 
 from megatrain import PRESETS, MegaTrain, cost_model, memory
 from megatrain import placement as P
+from megatrain import planner
 from megatrain.host_tier import build_host_tier, first_split
 from megatrain.update_split import UpdateRates
 
@@ -32,7 +33,7 @@ def _tiny_plan(engine, cfg, urates, *, forced=False, update_path="hybrid"):
     numels = {g.name: g.numel for g in engine.groups}
     shape = memory.step_shape(cfg, num_layers=engine.num_layers, hidden=hc.hidden_size, ffn=hc.intermediate_size,
                               vocab=hc.vocab_size, tokens_per_micro_batch=64, compute_bytes=4, on_gpu=True, seq_len=16)
-    plan = P.plan(numels, shape, setting="0", on_gpu=True, gpu_free=4 * GIB, host_available=1 << 40, gpu_margin=0,
+    plan = planner.plan(numels, shape, setting="0", on_gpu=True, gpu_free=4 * GIB, host_available=1 << 40, gpu_margin=0,
                   host_margin=0, grads=cfg.grad_placement, rates=cost_model.Rates(update=urates),
                   update_path=update_path, staging_reserve=GIB, gpu_path_forced=forced)
     return plan, numels, shape
@@ -92,7 +93,7 @@ def test_hybrid_whose_split_takes_no_group_is_planned_as_cpu():
     assert hybrid.info()["update_path"] == "cpu" and hybrid.info()["update_path_setting"] == "hybrid"
     auto = _plan(fast, update_path="auto")
     assert auto.update_path == "cpu" and "(0 of" in auto.update_path_reason
-    forced = P.plan(_numels_32(), _shape_32(), setting="auto", on_gpu=True, gpu_free=10 * GIB, host_available=1 << 40,
+    forced = planner.plan(_numels_32(), _shape_32(), setting="auto", on_gpu=True, gpu_free=10 * GIB, host_available=1 << 40,
                     gpu_margin=0, host_margin=0, rates=fast, update_path="hybrid", staging_reserve=GIB,
                     gpu_path_forced=True)
     assert forced.update_path == "hybrid" and forced.gpu_budget == cpu.gpu_budget - GIB
@@ -246,7 +247,7 @@ def test_contested_hybrid_is_kept_where_its_staging_costs_no_gpu_tier_layer_and_
     finally:
         engine.close()
     contested = cost_model.Rates(update=UpdateRates(cpu_gps=5.0, cpu_loaded_gps=3.3, h2d_gbs=42.6, d2h_gbs=51.7))
-    forced = P.plan(_numels_32(), _shape_32(), setting="auto", on_gpu=True, gpu_free=10 * GIB, host_available=1 << 40,
+    forced = planner.plan(_numels_32(), _shape_32(), setting="auto", on_gpu=True, gpu_free=10 * GIB, host_available=1 << 40,
                     gpu_margin=0, host_margin=0, rates=contested, update_path="hybrid", staging_reserve=GIB,
                     gpu_path_forced=True)
     assert forced.prediction.parts["gpu_path_groups"] == 0 and forced.prediction.parts["gpu_path_contested"] > 0
@@ -350,19 +351,19 @@ def test_a_contested_hybrid_may_give_up_a_kept_block_for_its_staging_within_hedg
     def plans(gpu_gib):
         kw = dict(setting="0", on_gpu=True, gpu_free=gpu_gib * GIB, host_available=1 << 40, gpu_margin=0,
                   host_margin=0, rates=rates, staging_reserve=GIB)
-        return (P.plan(numels, shape, update_path="cpu", **kw), P.plan(numels, shape, update_path="hybrid", **kw),
-                P.plan(numels, shape, update_path="hybrid", gpu_path_forced=True, **kw))
+        return (planner.plan(numels, shape, update_path="cpu", **kw), planner.plan(numels, shape, update_path="hybrid", **kw),
+                planner.plan(numels, shape, update_path="hybrid", gpu_path_forced=True, **kw))
 
     cpu, hybrid, built = plans(12)
     assert len(built.kept_blocks) == len(cpu.kept_blocks) - 1 and built.prediction.parts["gpu_path_groups"] == 0
     cost = built.prediction.step_s / cpu.prediction.step_s - 1
-    assert 0 < cost <= P.HEDGE_COST and built.prediction.parts["gpu_path_contested"] > 0
+    assert 0 < cost <= planner.HEDGE_COST and built.prediction.parts["gpu_path_contested"] > 0
     assert hybrid.update_path == "hybrid" and hybrid.kept_blocks == built.kept_blocks
     assert "1 kept block(s) fewer" in hybrid.update_path_reason
     assert "contested groups built as candidates" in hybrid.update_path_reason
 
     cpu, hybrid, built = plans(16)  # two blocks fewer with staging: past HEDGE_COST
-    assert built.prediction.step_s / cpu.prediction.step_s - 1 > P.HEDGE_COST
+    assert built.prediction.step_s / cpu.prediction.step_s - 1 > planner.HEDGE_COST
     assert hybrid.update_path == "cpu" and hybrid.kept_blocks == cpu.kept_blocks
     assert "keeping staging for the contested split would cost +1." in hybrid.update_path_reason
     assert hybrid.update_path_reason.endswith("planned as cpu, no GPU staging kept")
@@ -388,7 +389,7 @@ def test_the_3b_row_planned_as_cpu_on_the_h100_now_builds_its_candidates():
         shape = memory.step_shape(cfg, num_layers=spec.num_layers, hidden=spec.hidden_size,
                                   ffn=spec.intermediate_size, vocab=spec.vocab_size, tokens_per_micro_batch=16384,
                                   compute_bytes=2, on_gpu=True, seq_len=1024)
-        return P.plan(memory.spec_group_numels(spec), shape, setting="0", on_gpu=True, gpu_free=int(78.3 * GIB),
+        return planner.plan(memory.spec_group_numels(spec), shape, setting="0", on_gpu=True, gpu_free=int(78.3 * GIB),
                       host_available=123 * GIB, gpu_margin=6 * GIB, host_margin=2 * GIB, grads="auto", rates=rates,
                       update_path=update_path, staging_reserve=GIB)
 
@@ -411,7 +412,7 @@ def _qwen_plan(model, tokens, update, *, update_path="hybrid", staging_reserve=N
     shape = memory.step_shape(cfg, num_layers=spec.num_layers, hidden=spec.hidden_size, ffn=spec.intermediate_size,
                               vocab=spec.vocab_size, tokens_per_micro_batch=tokens, compute_bytes=2, on_gpu=True,
                               seq_len=1024)
-    return P.plan(memory.spec_group_numels(spec), shape, setting="0", on_gpu=True, gpu_free=int(gpu_free_gib * GIB),
+    return planner.plan(memory.spec_group_numels(spec), shape, setting="0", on_gpu=True, gpu_free=int(gpu_free_gib * GIB),
                   host_available=123 * GIB, gpu_margin=6 * GIB, host_margin=2 * GIB, grads="auto", rates=rates,
                   update_path=update_path, staging_reserve=staging_reserve)
 
@@ -438,7 +439,7 @@ def test_the_staging_reserve_is_chosen_where_kept_masters_are_predicted_much_fas
     assert sixteen.staging_reserve == 16 * GIB and sixteen.prediction.step_s == pytest.approx(1.993, abs=0.005)
     auto = _qwen_plan("qwen2.5-7b", 8192, NODE_A)
     assert auto.update_path == "hybrid" and auto.staging_reserve > 8 * GIB
-    assert auto.prediction.step_s <= sixteen.prediction.step_s < one.prediction.step_s * (1 - P.RESERVE_GAIN)
+    assert auto.prediction.step_s <= sixteen.prediction.step_s < one.prediction.step_s * (1 - planner.RESERVE_GAIN)
     assert len(auto.kept_blocks) < len(one.kept_blocks) and auto.prediction.parts["gpu_path_groups"] > 15
     assert auto.info()["update_staging_gib"] == auto.staging_reserve / GIB
     assert "more than 11% faster" in auto.staging_reason and "GPU path staging" in auto.summary()
@@ -447,9 +448,9 @@ def test_the_staging_reserve_is_chosen_where_kept_masters_are_predicted_much_fas
 
     b = _qwen_plan("qwen2.5-7b", 8192, NODE_B)
     assert b.staging_reserve == GIB and "is not 11% faster" in b.staging_reason
-    best = min((_qwen_plan("qwen2.5-7b", 8192, NODE_B, staging_reserve=int(g * GIB)) for g in P.STAGING_CANDIDATES_GIB),
+    best = min((_qwen_plan("qwen2.5-7b", 8192, NODE_B, staging_reserve=int(g * GIB)) for g in planner.STAGING_CANDIDATES_GIB),
                key=lambda p: p.prediction.step_s)
-    assert b.prediction.step_s * (1 - P.RESERVE_GAIN) <= best.prediction.step_s < b.prediction.step_s
+    assert b.prediction.step_s * (1 - planner.RESERVE_GAIN) <= best.prediction.step_s < b.prediction.step_s
     assert _qwen_plan("qwen2.5-7b", 8192, NODE_A, update_path="cpu").staging_reserve == 0
     # node C, 3B 16x1024 (4.23 / 2.52 Gparam/s): 8 GiB predicted 13 % faster than 1 GiB (1.056 vs 1.224 s); there
     # the 1 GiB hybrid ran 245.6 TFLOPS, 16 GiB 269.9, the CPU path 213.3
@@ -491,7 +492,7 @@ def test_update_path_auto_takes_the_path_that_won_on_each_h100_node(node, model,
     cpu = _qwen_plan(model, tokens, rates, update_path="cpu")
     assert auto.update_path == path, (node, measured, auto.update_path_reason)
     if path == "hybrid":
-        assert auto.prediction.step_s < cpu.prediction.step_s * (1 - P.CONTESTED_GAIN)
+        assert auto.prediction.step_s < cpu.prediction.step_s * (1 - planner.CONTESTED_GAIN)
         assert auto.staging_reserve >= 8 * GIB  # kept masters bought with kept blocks, as the rows that won
     else:
         assert auto.staging_reserve == 0 and auto.prediction.step_s == pytest.approx(cpu.prediction.step_s)
