@@ -8,8 +8,8 @@ import re
 import pandas as pd
 
 from .claims import _num
-from .style import *  # noqa: F403
-from .style import _band_positions, _fail_handle, _finish, _legend, _new_figure, _safe_max, _set_band_ylim  # noqa: F401
+from .style import (FORMULA_NOTE, SYSTEM_COLOR, fmt_params, on_cpu, short_sha, status_short, _band_positions,
+                    _fail_handle, _finish, _legend, _new_figure, _safe_max, _set_band_ylim)
 
 HOST_SIDE_PANELS = (  # (kind, hardware-profile prefix, x-axis label)
     ("cores", "cores-", "CPU cores (capped; log₂ axis)"),

@@ -4,7 +4,6 @@ and writes ``<out>/<name>.<format>``."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pandas as pd
 
@@ -13,9 +12,10 @@ from .fig_host_side import fig_host_side
 from .fig_same_run import fig_same_run
 from .fig_update_path import fig_update_path
 from experiments.schema import fill_x_from_point
-from .style import *  # noqa: F403
-from .style import (_fail_handle, _finish, _legend, _line_panel, _log2_ticks, _mark_failures, _series_key,  # noqa: F401,E501
-                    _mfu_axis, _new_figure, _ordered_systems, _pyplot, _safe_max, _set_band_ylim, _style)
+from .style import (ADAM_BYTES_PER_PARAM, FORMULA_NOTE, HARDWARE_ORDER, SWEEPS, TB_1_5_GIB, fmt_params, fmt_tokens,
+                    on_cpu, record, row_settings, status_short, system_label, variant_label, _fail_handle, _finish,
+                    _legend, _line_panel, _log2_ticks, _mark_failures, _mfu_axis, _new_figure, _ordered_systems,
+                    _safe_max, _series_key, _style)
 
 
 
