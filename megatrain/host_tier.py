@@ -18,7 +18,8 @@ from . import update_split
 from .store import ModelStore
 from .streamed_update import GIB, MIN_CHUNK_ELEMS, StreamedAdamW, rotating_bytes, staging_chunk
 from .streams import StreamSet
-from .update_split import Split, SplitChooser, UpdateRates, forced_split, measure_rates, plan_split
+from .split_chooser import SplitChooser
+from .update_split import Split, UpdateRates, forced_split, measure_rates, plan_split
 
 
 class HybridHostAdamW:

@@ -1,5 +1,5 @@
 """Per step of a MegaTrain point with update_path="hybrid": which split ran, how busy each path was, and what
-the runtime chooser (megatrain/update_split.py ``SplitChooser``) decided next.
+the runtime chooser (megatrain/split_chooser.py ``SplitChooser``) decided next.
 
     python scripts/split_trace.py results/update_path_hedge/<point>/metrics.jsonl [...]
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatrain.update_split import DECISIONS  # noqa: E402
+from megatrain.split_chooser import DECISIONS  # noqa: E402
 
 HEADER = "step  time_s  cpu gpu  cpu_busy gpu_busy exposed  measured  decision -> next  (c: a cold start)"
 

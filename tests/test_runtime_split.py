@@ -1,4 +1,4 @@
-"""The runtime split of update_path="hybrid" (megatrain/update_split.py ``SplitChooser``, megatrain/host_tier.py
+"""The runtime split of update_path="hybrid" (megatrain/split_chooser.py ``SplitChooser``, megatrain/host_tier.py
 ``HybridHostAdamW.observe_step``): measured step times decide between the splits, the model only proposes.
 The situation measured on the H200 at e8e2ce5 (Qwen2.5-14B, 16x1024, clipping every step): 11 of 28 host
 groups on the GPU path ran 4.77 / 4.73 s a step, the re-split then moved every group to the CPU kernel and
@@ -12,8 +12,9 @@ import pytest
 
 from megatrain import MegaTrain, PRESETS
 from megatrain.host_tier import HybridHostAdamW
-from megatrain.update_split import (KEEP_FASTEST, KEEP_MEASURING, KEEP_WITHIN_MARGIN, RETRY_CLOSE, SWITCH_FASTER,
-                                    TRY_CPU_ONLY, TRY_PROPOSAL, WARM_UP, Split, SplitChooser, UpdateRates, plan_split)
+from megatrain.split_chooser import (KEEP_FASTEST, KEEP_MEASURING, KEEP_WITHIN_MARGIN, RETRY_CLOSE, SWITCH_FASTER,
+                                     TRY_CPU_ONLY, TRY_PROPOSAL, WARM_UP, SplitChooser)
+from megatrain.update_split import Split, UpdateRates, plan_split
 
 from test_engine_parity import assert_parity, batches
 from test_update_path import hybrid_cfg

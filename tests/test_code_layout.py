@@ -1,8 +1,9 @@
-"""The project's packages import each other in one direction: no module reaches, through any chain of
-imports (function-local ones included), back to itself. A circle hides in a lazy import until a refactor
-moves it to the top and Python fails half-initialised; the runner's point process and the row schema had
-two (point <-> sft_point <-> sweeps, schema <-> schema_legacy) before experiments/point_frame.py and
-experiments/step_records.py."""
+"""The code's layout, held against the code: every module is on its package's code map (docs/engine.md,
+docs/runner.md), and the project's packages import each other in one direction: no module reaches,
+through any chain of imports (function-local ones included), back to itself. A circle hides in a lazy
+import until a refactor moves it to the top and Python fails half-initialised; the runner's point process
+and the row schema had two (point <-> sft_point <-> sweeps, schema <-> schema_legacy) before
+experiments/point_frame.py and experiments/step_records.py."""
 from __future__ import annotations
 
 import ast
@@ -83,3 +84,14 @@ def test_no_module_imports_itself_back():
 def test_a_circle_is_found():
     assert _circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _circle({"a": {"b"}, "b": set()}) is None
+
+
+def test_every_module_is_in_its_packages_code_map():
+    """docs/engine.md's file table names every megatrain/ module and docs/runner.md's code map every
+    experiments/ module: a new file comes with its line there, or this fails."""
+    for pkg, doc, start in (("megatrain", "docs/engine.md", "## Files"), ("experiments", "docs/runner.md", "## Code map")):
+        text = (ROOT / doc).read_text()
+        table = text[text.index(start):].split("\n## ", 1)[0]
+        missing = [p.name for p in sorted((ROOT / pkg).glob("*.py"))
+                   if p.name != "__init__.py" and p.name not in table]
+        assert not missing, f"{doc} ({start}) lacks: {', '.join(missing)}"
