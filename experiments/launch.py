@@ -204,7 +204,7 @@ def salvage_partial(row: dict, point_dir) -> dict | None:
 
 def to_row(job: Job, result: dict, env: dict) -> Row:
     """The typed row (``experiments.schema.Row``) of a job and its result. ``result`` may carry a
-    ``skip`` (``sweeps.Skip``: why it was not launched) and ``reason`` (e.g. "budget_cut")."""
+    ``skip`` (``skips.Skip``: why it was not launched) and ``reason`` (e.g. "budget_cut")."""
     spec = job.spec
     m = result.get("metrics") or {}
     gib = lambda b: (b / GIB) if isinstance(b, (int, float)) and b is not None and b >= 0 else None  # noqa: E731

@@ -155,7 +155,7 @@ def run(cfg) -> dict:
     """Run the sweep described by the composed config; returns counters (also printed)."""
     from tqdm import tqdm
 
-    from . import cache as K, envinfo, launch as L, sweeps
+    from . import cache as K, envinfo, launch as L, skips, sweeps
 
     t_start = time.time()
     device = resolve_device(cfg.device)
@@ -180,7 +180,7 @@ def run(cfg) -> dict:
         job.point_dir, job.cache_dir = str(out / job.id), str(cache)
         engine_init = job.system == "megatrain" and not cfg.shared_init
         job.init_dir = "" if (engine_init or job.sft) else str(K.init_paths(job.spec, job.seed, cache)[1])
-        est = sweeps.host_estimate(job, device, env.get("gpu_total_bytes"))
+        est = skips.host_estimate(job, device, env.get("gpu_total_bytes"))
         job.host_estimate_bytes = est["total_bytes"] if est else None
         job.tiers = est.get("tiers") if est and job.system == "megatrain" else None
         estimates[job.id] = est
@@ -191,7 +191,7 @@ def run(cfg) -> dict:
                 action = f"done ({prev})"
             else:
                 est = estimates[job.id]
-                action = str(sweeps.skip_reason(job, device=device, available_host=sweeps.available_host(job),
+                action = str(skips.skip_reason(job, device=device, available_host=skips.available_host(job),
                                                 gpu_total=env.get("gpu_total_bytes"), estimate=est) or "run")
                 if est and action == "run" and not record(job.system).on_device:
                     action += f" (engine host estimate {est['total_bytes'] / GIB:.1f} GiB)"
@@ -220,7 +220,7 @@ def run(cfg) -> dict:
             bar.write(f"{tag} [done]    {job.id} ({status[job.id]}; redo=true re-runs it)")
             continue
         # the point's own view of host RAM: a host_ram_gib profile's cap, as its engine will plan with it
-        skip = sweeps.skip_reason(job, device=device, available_host=sweeps.available_host(job),
+        skip = skips.skip_reason(job, device=device, available_host=skips.available_host(job),
                                   gpu_total=env.get("gpu_total_bytes"), estimate=estimates[job.id])
         if skip:
             result = {"status": "skipped", "error": skip.text, "skip": skip}

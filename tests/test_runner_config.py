@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from experiments import config as C  # noqa: E402  (registers the schemas)
-from experiments import sweeps  # noqa: E402
+from experiments import skips, sweeps  # noqa: E402
 
 CONF = ROOT / "experiments" / "conf"
 SWEEPS = ("smoke", "baselines", "size", "depth", "width", "context", "hardware", "ablation", "tokens",
@@ -211,17 +211,17 @@ def test_host_ram_profiles_skip_with_the_engine_estimate(compose_fn, monkeypatch
 
     def reason(model, hw):
         p = by[(model, hw)]
-        return sweeps.skip_reason(p, device="cuda", available_host=sweeps.available_host(p), gpu_total=gpu,
-                                  estimate=sweeps.host_estimate(p, "cuda", gpu))
+        return skips.skip_reason(p, device="cuda", available_host=skips.available_host(p), gpu_total=gpu,
+                                  estimate=skips.host_estimate(p, "cuda", gpu))
 
     rss = memory.psutil.Process().memory_info().rss
-    assert sweeps.available_host(by[("qwen2.5-7b", "H200")]) == 120 * GIB  # uncapped: the real available
-    assert sweeps.available_host(by[("qwen2.5-7b", "host-64GB")]) == 64 * GIB - rss
+    assert skips.available_host(by[("qwen2.5-7b", "H200")]) == 120 * GIB  # uncapped: the real available
+    assert skips.available_host(by[("qwen2.5-7b", "host-64GB")]) == 64 * GIB - rss
     assert reason("qwen2.5-14b", "H200") is None
     for hw in ("host-64GB", "host-96GB"):
         r = reason("qwen2.5-14b", hw)
         assert r.reason == "host_memory" and 90 * GIB <= r.need_host < 100 * GIB, r
-        assert r.have_host == sweeps.available_host(by[("qwen2.5-14b", hw)])
+        assert r.have_host == skips.available_host(by[("qwen2.5-14b", hw)])
         assert f"(emulated {hw[5:7]} GiB host, profile {hw})" in r.text
     r7 = reason("qwen2.5-7b", "host-64GB")
     assert r7.reason == "host_memory" and "host needs 88.9 GiB" in r7.text
@@ -286,46 +286,46 @@ def test_skip_rules(compose_fn):
     kw = dict(device="cuda", available_host=avail, gpu_total=gpu)
     # MegaTrain on a GPU: the engine's two-tier plan. 14B fits (GPU tier + host tier), 32B does not (host).
     mt7, mt14, mt32 = (by[("megatrain", m)] for m in ("qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b"))
-    est7, est14, est32 = (sweeps.host_estimate(j, "cuda", gpu) for j in (mt7, mt14, mt32))
+    est7, est14, est32 = (skips.host_estimate(j, "cuda", gpu) for j in (mt7, mt14, mt32))
     assert est7["total_bytes"] < 8 * GIB  # everything on the GPU tier
     assert 60 * GIB < est14["total_bytes"] < avail
-    assert sweeps.skip_reason(mt7, estimate=est7, **kw) is None
-    assert sweeps.skip_reason(mt14, estimate=est14, **kw) is None
-    reason = sweeps.skip_reason(mt32, estimate=est32, **kw)
+    assert skips.skip_reason(mt7, estimate=est7, **kw) is None
+    assert skips.skip_reason(mt14, estimate=est14, **kw) is None
+    reason = skips.skip_reason(mt32, estimate=est32, **kw)
     assert reason.reason == "host_memory" and reason.need_host == est32["total_bytes"] and reason.have_host == avail
     assert reason.row_fields()["need_host_gib"] == est32["total_bytes"] / GIB
     # the pure-streaming estimate (12 B/param) would have skipped 14B: the plan is what the engine does
-    assert sweeps.host_estimate(mt14, "cuda")["total_bytes"] > avail
+    assert skips.host_estimate(mt14, "cuda")["total_bytes"] > avail
     # 72B: its bf16 gradients alone exceed the GPU, so grad_placement="auto" gives the host tier's a host
     # home; the GPU side then fits and the point is skipped for host RAM (~1 TiB), with the plan's numbers
     mt72 = by[("megatrain", "qwen2.5-72b")]
-    est72 = sweeps.host_estimate(mt72, "cuda", gpu)
+    est72 = skips.host_estimate(mt72, "cuda", gpu)
     assert not est72["gpu_refusal"] and est72["total_bytes"] > 800 * GIB
     assert "grad_placement=auto -> host" in est72["plan"]
-    reason = sweeps.skip_reason(mt72, estimate=est72, **kw)
+    reason = skips.skip_reason(mt72, estimate=est72, **kw)
     assert reason.reason == "host_memory" and "126.0 GiB" in reason.text
     # with the gradients kept on the GPU (the engine before grad_placement) it is a GPU-side refusal
     mt72_gpu = dataclasses.replace(mt72, options=dataclasses.replace(mt72.options, grad_placement="gpu"))
-    est72_gpu = sweeps.host_estimate(mt72_gpu, "cuda", gpu)
+    est72_gpu = skips.host_estimate(mt72_gpu, "cuda", gpu)
     assert est72_gpu["gpu_refusal"]
-    refusal = sweeps.skip_reason(mt72_gpu, estimate=est72_gpu, **kw)
+    refusal = skips.skip_reason(mt72_gpu, estimate=est72_gpu, **kw)
     assert refusal.reason == "plan_gpu" and refusal.need_gpu > refusal.have_gpu > 0
     assert est72_gpu["tiers"]["gpu_tier_layers"] == 0 and est72_gpu["tiers"]["host_tier_layers"] == 80
     zero3_14 = by[("zero3", "qwen2.5-14b")]
-    assert sweeps.skip_reason(zero3_14, estimate=sweeps.host_estimate(zero3_14, "cuda", gpu), **kw)
+    assert skips.skip_reason(zero3_14, estimate=skips.host_estimate(zero3_14, "cuda", gpu), **kw)
     # all-on-GPU: judged by GPU memory (12 B/param), not by host RAM
     nat7, nat14 = by[("native", "qwen2.5-7b")], by[("native", "qwen2.5-14b")]
-    assert sweeps.skip_reason(nat7, estimate=None, **kw) is None
-    nat = sweeps.skip_reason(nat14, estimate=None, **kw)
+    assert skips.skip_reason(nat7, estimate=None, **kw) is None
+    nat = skips.skip_reason(nat14, estimate=None, **kw)
     assert nat.reason == "gpu_memory" and nat.need_gpu == 12 * nat14.num_params and nat.have_gpu == gpu
     _, hw = expand(compose_fn, "sweep=hardware", "system=native")
     capped = [p for p in hw if p.hardware["label"] == "RTX-3090-24GB"][0]
-    assert sweeps.skip_reason(capped, estimate=None, **kw).have_gpu == 24 * GIB
+    assert skips.skip_reason(capped, estimate=None, **kw).have_gpu == 24 * GIB
     # an emulated 24 GB GPU leaves the 14B engine's host side over this host's RAM
     _, hw = expand(compose_fn, "sweep=hardware", "system=megatrain", "model=qwen2.5-14b")
     mt_3090 = [p for p in hw if p.hardware["label"] == "RTX-3090-24GB"][0]
-    est = sweeps.host_estimate(mt_3090, "cuda", gpu)
-    assert est["total_bytes"] > est14["total_bytes"] and sweeps.skip_reason(mt_3090, estimate=est, **kw)
+    est = skips.host_estimate(mt_3090, "cuda", gpu)
+    assert est["total_bytes"] > est14["total_bytes"] and skips.skip_reason(mt_3090, estimate=est, **kw)
 
 
 def test_gpu_free_bytes_honours_the_memory_fraction(monkeypatch):
@@ -482,7 +482,7 @@ def test_size_sweep_has_14b_and_gpu_only_systems_skip_on_cpu(compose_fn):
     _, jobs = expand(compose_fn, "sweep=baselines", device="cpu", gpu_name="")
     by = {j.system: j for j in jobs}
     assert {"zero2", "superoffload"} <= set(by)
-    reason = sweeps.skip_reason(by["gemini"], device="cpu", available_host=None, gpu_total=None, estimate=None)
+    reason = skips.skip_reason(by["gemini"], device="cpu", available_host=None, gpu_total=None, estimate=None)
     assert reason.reason == "needs_gpu" and "needs a GPU" in reason.text
 
 
