@@ -20,7 +20,7 @@ import pandas as pd
 from baselines.registry import SYSTEMS, record
 
 from .claims import (CLAIMS_PATH, ClaimsError, _all_rows, _hw_long, _hw_short, _pct, _short, evaluate_claim,
-                     load_claims, spreads_overlap, summary_lines, tflops_range)
+                     load_claims, summary_lines)
 from . import accuracy, phases, same_run, sft_report, update_path
 from .style import H200_PEAK_TFLOPS, HARDWARE_ORDER
 from .figures import figures_for
