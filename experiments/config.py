@@ -147,7 +147,8 @@ class RunConfig:
     steps: int = 5  # measured steps per point
     warmup_steps: int = 2  # steps run first and excluded from the statistics (not optim.warmup_steps)
     # then at most this many more warm-up steps while the system says it is still choosing how to run
-    # (MegaTrain: speculate="auto" measuring both modes, the runtime split's trials; one process only)
+    # (MegaTrain: speculate="auto" measuring both modes, the runtime split's trials), or that the step that would
+    # have been the first timed one was a transient (MegaTrain.transient(): a cold update); one process only
     settle_steps: int = 8
     batch_size: int = 8
     seq_len: int = 1024

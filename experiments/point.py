@@ -99,6 +99,7 @@ def train(job: Job, applied: dict | None = None) -> int:
         system = build_measured(job, pdir, result, log)
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         choosing = getattr(system, "choosing", None)  # MegaTrain: still tuning itself (speculation, split)
+        transient = getattr(system, "transient", None)  # MegaTrain: the step that just ran was not a steady one
         vocab = job.spec["vocab_size"]
         if job.data == "text":  # real text, byte-level token ids (< 256 <= every preset's vocabulary)
             from megatrain.data import stdlib_text_bytes, text_batch
@@ -130,6 +131,16 @@ def train(job: Job, applied: dict | None = None) -> int:
                 phases = getattr(system, "phase_times", None)  # optional: where the step's time went
                 if phases is not None:
                     rec["phases"] = {k: finite(v) for k, v in phases().items()}
+                late = transient() if (can_settle and not warm and transient is not None) else ""
+                if late:
+                    # Known only once it ran: the first step that would be timed was a transient (a cold update
+                    # after the runtime split moved groups), by the system's own flag, never by its time: it is
+                    # warm-up too, within the same settle_steps.
+                    rec["warmup"] = warm = True
+                    settle += 1
+                    bar.total += 1
+                    bar.write(f"[point] step {i}: warm-up extended ({settle} of at most {job.settle_steps}): {late}",
+                              file=sys.stderr)
                 mf.write(json.dumps(rec) + "\n")
                 mf.flush()
                 records.append(rec)

@@ -657,6 +657,12 @@ class MegaTrain:
         only the step time moves. A benchmark's warm-up waits for it (experiments' ``settle_steps``)."""
         return self.optimizer.choosing()
 
+    def transient(self) -> str:
+        """Why the step that just ran is not a steady one ("" when it is), known only after it ran: its time
+        measured a host update that uploaded kept fp32 masters again (a cold start of the GPU update path, after
+        the runtime split moved groups). A benchmark's warm-up may count such a first step as warm-up too."""
+        return self.optimizer.transient()
+
     def memory(self) -> MemoryStats:
         self._sample_rss()
         plan = self.placement

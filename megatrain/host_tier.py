@@ -43,6 +43,7 @@ class HybridHostAdamW:
         # The after-norm split is decided from measured step times once it can change (gpu_path_groups="auto").
         self.chooser = SplitChooser(self.names) if gpu is not None and replan is not None else None
         self.steps_observed = 0  # engine steps seen by observe_step (the metrics' step index + 1)
+        self.last_measured_cold = False  # the last step's time measured a cold update (``transient``)
         self._split_now = Split([], self.names)  # the split this step routes with
         self._base_rates = dataclasses.replace(rates) if rates is not None else None  # as measured at build
         self.prefetched: list[str] | None = None  # decided after the first step (None: not yet / not asked)
@@ -84,6 +85,12 @@ class HybridHostAdamW:
         """Why the runtime split is still being chosen ("" when it is not, or when nothing is chosen)."""
         return self.chooser.choosing() if self.chooser is not None else ""
 
+    def transient(self) -> str:
+        """Why the last step's time is not this split's steady one ("" when it is): it measured an update that
+        uploaded kept masters again (12 B/param where a warm one moves 8: rule 0's cold start)."""
+        return ("runtime split: the step measured a cold update (kept masters uploaded again)"
+                if self.last_measured_cold else "")
+
     def counters(self) -> dict[str, float]:
         busy, wait = self.gpu.settle() if self.gpu is not None else (0.0, 0.0)
         return dict(cpu_groups=self.cpu_groups, gpu_path_groups=self.gpu_path_groups, gpu_path_busy_s=busy,
@@ -100,6 +107,7 @@ class HybridHostAdamW:
         this step's time measured, the previous step's; absent when not comparable), ``split_decision`` (an
         ``update_split`` decision code) and ``split_next_gpu_groups`` (what the next such step routes)."""
         self.steps_observed += 1
+        self.last_measured_cold = False
         bwd = stats.get("backward_s")
         if self.gpu is None or bwd is None or not math.isfinite(bwd):
             return
@@ -129,6 +137,7 @@ class HybridHostAdamW:
             if not self._params[-1][2]:
                 stats["split_measured_gpu_groups"] = float(len(measured.gpu))
                 stats["split_measured_cold"] = float(cold)
+                self.last_measured_cold = cold
 
         def predict(split: Split) -> float:  # at the current, calibrated rates
             if self._evaluate is None:

@@ -298,6 +298,15 @@ class Optimizers:
                 return why
         return ""
 
+    def transient(self) -> str:
+        """Why the last step's time is not a steady one ("" when it is): a tier's own (``transient`` where an
+        implementation has one: the host tier's cold updates)."""
+        for source in self.impls:
+            why = getattr(source, "transient", lambda: "")()
+            if why:
+                return why
+        return ""
+
     def finish(self, step: int, grad_norm: float) -> float | None:
         """Apply the step's update everywhere; returns the clip coefficient, None if the step is skipped."""
         coef = clip_coefficient(grad_norm, self.cfg.max_grad_norm) if math.isfinite(grad_norm) else None

@@ -14,8 +14,9 @@ from pathlib import Path
 
 BEHAVIORS = ("ok", "crash", "gpu_oom", "host_oom", "sigkill", "hang")
 # configs written, but not in the default _test sweep: "hang_late" hangs at its 5th step; "settle" says it is
-# still choosing how to run (``choosing``) until it has run 4 steps
-EXTRA_BEHAVIORS = ("hang_late", "settle")
+# still choosing how to run (``choosing``) until it has run 4 steps; "cold" says after its 2nd to 4th steps that the
+# step just run was a transient (``transient``)
+EXTRA_BEHAVIORS = ("hang_late", "settle", "cold")
 
 
 class OutOfMemory(RuntimeError):
@@ -57,6 +58,9 @@ class FakeSystem:
 
     def choosing(self) -> str:
         return "fake: measuring a trial" if self.behavior == "settle" and self.steps < 4 else ""
+
+    def transient(self) -> str:
+        return "fake: a cold update" if self.behavior == "cold" and 2 <= self.steps <= 4 else ""
 
     def memory(self):
         from megatrain.system import MemoryStats

@@ -234,18 +234,23 @@ def test_engine_parity_while_the_runtime_split_changes():
     reused after a CPU-path update would not), and each step's phases say which split was measured and
     decided."""
     spec = PRESETS["tiny-llama"]
-    seen = []
-    orig = HybridHostAdamW.observe_step
+    seen, transient = [], []
+    orig, orig_step = HybridHostAdamW.observe_step, MegaTrain.step
 
     def spy(self, stats):
         orig(self, stats)
         seen.append((dict(stats), list(self.chooser.history)))
 
-    HybridHostAdamW.observe_step = spy
+    def spy_step(self, batch):
+        out = orig_step(self, batch)
+        transient.append(self.transient())  # what the runner asks once a step ran
+        return out
+
+    HybridHostAdamW.observe_step, MegaTrain.step = spy, spy_step
     try:
         assert_parity(spec.to_hf_config("eager"), hybrid_cfg(gpu_path_groups="auto"), batches(spec, steps=5))
     finally:
-        HybridHostAdamW.observe_step = orig
+        HybridHostAdamW.observe_step, MegaTrain.step = orig, orig_step
     stats = [s for s, _ in seen]
     assert "split_measured_gpu_groups" not in stats[0]  # the first step measured no update
     assert all("split_decision" in s and "split_next_gpu_groups" in s for s in stats)
@@ -255,6 +260,9 @@ def test_engine_parity_while_the_runtime_split_changes():
     assert stats[2]["split_decision"] == TRY_CPU_ONLY and stats[2]["split_next_gpu_groups"] == 0
     assert stats[3]["split_measured_gpu_groups"] > 0 and stats[4]["split_measured_gpu_groups"] == 0
     assert stats[4]["split_measured_cold"] == 0  # the CPU path alone uploads no kept master
+    # MegaTrain.transient(): the step that measured the cold update says so, and only that one
+    assert [bool(t) for t in transient] == [s.get("split_measured_cold") == 1 for s in stats] == [
+        False, True, False, False, False] and "cold update" in transient[1]
     assert seen[-1][1][0][2] == TRY_CPU_ONLY
 
 
