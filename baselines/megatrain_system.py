@@ -90,6 +90,11 @@ class MegaTrainSystem:
         warm-up goes on while it says so (``settle_steps``)."""
         return self.engine.choosing()
 
+    def transient(self) -> str:
+        """Why the step that just ran is not a steady one ("" when it is; ``MegaTrain.transient``): the runner
+        counts such a would-be first timed step as warm-up (``settle_steps``)."""
+        return self.engine.transient()
+
     def phase_times(self) -> dict[str, float]:
         """The last step's phase timings and counters (``MegaTrain.stats``: host wall time per phase,
         ``optimizer_exposed_s`` = time the step waited for the host AdamW, ``host_update_busy_s``,
