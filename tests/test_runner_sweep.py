@@ -221,13 +221,20 @@ def test_a_point_that_times_out_late_keeps_the_steps_it_finished(tmp_path, cache
     assert status == {r["point"]: "partial"} and "partial" not in schema.DONE_STATUSES
 
 
-def test_warmup_goes_on_while_the_system_is_still_choosing_up_to_settle_steps(tmp_path, cache, test_conf):
-    """A system still choosing how to run (its ``choosing()`` says why) gets more warm-up steps, at most
-    settle_steps: the fake says so until it has run 4 steps, the cap of 2 stops it after 3 warm-up steps; the
-    timed steps are then the 2 asked for, and the row counts the warm-up steps that ran."""
+@pytest.mark.parametrize("behavior, said", [
+    ("settle", "step 2: warm-up extended (2 of at most 2): fake: measuring a trial"),
+    ("cold", "step 2: warm-up extended (2 of at most 2): fake: a cold update"),
+])
+def test_warmup_goes_on_while_the_system_says_so_up_to_settle_steps(tmp_path, cache, test_conf, behavior, said):
+    """More warm-up steps, at most settle_steps, for a system still choosing how to run (``choosing()``, asked
+    before a step: the "settle" fake says so until it has run 4 steps) or whose would-be first timed step was a
+    transient (``transient()``, asked once it ran: MegaTrain's cold update after the runtime split moved groups;
+    the "cold" fake says so after its 2nd to 4th steps). With one warm-up step and a cap of 2, steps 1 and 2 are
+    warm-up and step 3 is timed all the same (the cap ends the warm-up); the timed steps are the 2 asked for,
+    and the row counts the warm-up steps that ran."""
     results = tmp_path / "results"
     proc = run_runner("sweep=_test", f"hydra.searchpath=[file://{test_conf}]", f"results_dir={results}",
-                      f"cache_dir={cache}", "sweep.systems=[_test_settle]", "steps=2", "warmup_steps=1",
+                      f"cache_dir={cache}", f"sweep.systems=[_test_{behavior}]", "steps=2", "warmup_steps=1",
                       "settle_steps=2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (r,) = [r for _, r in schema.read_results(results / "_test" / "results.csv").iterrows()]
@@ -235,25 +242,7 @@ def test_warmup_goes_on_while_the_system_is_still_choosing_up_to_settle_steps(tm
     recs = [json.loads(x) for x in (results / "_test" / r["point"] / "metrics.jsonl").read_text().splitlines()]
     assert [x["warmup"] for x in recs] == [True, True, True, False, False]
     log = (results / "_test" / r["point"] / "log.txt").read_text()
-    assert "warm-up extended (2 of at most 2): fake: measuring a trial" in log, log
-
-
-def test_a_first_timed_step_the_system_calls_transient_is_warm_up_within_settle_steps(tmp_path, cache, test_conf):
-    """A step the system reports, once it ran, as a transient (``transient()``: MegaTrain's cold update after the
-    runtime split moved groups) is warm-up when it would have been the first timed step, at most settle_steps
-    in all: the fake says so after its 2nd, 3rd and 4th steps; with one warm-up step and a cap of 2, steps 1
-    and 2 become warm-up and step 3 is timed all the same (the cap, not the flag, ends the warm-up)."""
-    results = tmp_path / "results"
-    proc = run_runner("sweep=_test", f"hydra.searchpath=[file://{test_conf}]", f"results_dir={results}",
-                      f"cache_dir={cache}", "sweep.systems=[_test_cold]", "steps=2", "warmup_steps=1",
-                      "settle_steps=2")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (r,) = [r for _, r in schema.read_results(results / "_test" / "results.csv").iterrows()]
-    assert r["status"] == "ok" and r["timed_steps"] == 2 and r["warmup_steps"] == 3, dict(r)
-    recs = [json.loads(x) for x in (results / "_test" / r["point"] / "metrics.jsonl").read_text().splitlines()]
-    assert [x["warmup"] for x in recs] == [True, True, True, False, False]
-    log = (results / "_test" / r["point"] / "log.txt").read_text()
-    assert "step 2: warm-up extended (2 of at most 2): fake: a cold update" in log, log
+    assert said in log, log
 
 
 def test_a_killed_runner_takes_its_point_process_with_it(tmp_path, cache, test_conf):
