@@ -117,8 +117,8 @@ def train(job: Job, applied: dict | None = None) -> int:
                 # the system says it is still choosing how to run (a trial step of its runtime split is not its
                 # steady speed). One process only: ranks that decided apart would run different step counts.
                 warm = i < job.warmup_steps
-                can_settle = choosing is not None and not timed and settle < job.settle_steps and world_size() == 1
-                why = choosing() if can_settle and not warm else ""
+                can_settle = not warm and not timed and settle < job.settle_steps and world_size() == 1
+                why = choosing() if can_settle and choosing is not None else ""
                 if why:
                     warm, settle = True, settle + 1
                     bar.total += 1
@@ -131,7 +131,7 @@ def train(job: Job, applied: dict | None = None) -> int:
                 phases = getattr(system, "phase_times", None)  # optional: where the step's time went
                 if phases is not None:
                     rec["phases"] = {k: finite(v) for k, v in phases().items()}
-                late = transient() if (can_settle and not warm and transient is not None) else ""
+                late = transient() if can_settle and not warm and transient is not None else ""
                 if late:
                     # Known only once it ran: the first step that would be timed was a transient (a cold update
                     # after the runtime split moved groups), by the system's own flag, never by its time: it is

@@ -292,20 +292,12 @@ class Optimizers:
     def choosing(self) -> str:
         """Why the steps are still tuning themselves ("" when they are not): the speculation chooser, then each
         tier's own (``choosing`` where an implementation has one: the host tier's runtime split)."""
-        for source in (self.policy, *self.impls):
-            why = getattr(source, "choosing", lambda: "")()
-            if why:
-                return why
-        return ""
+        return _first_said((self.policy, *self.impls), "choosing")
 
     def transient(self) -> str:
         """Why the last step's time is not a steady one ("" when it is): a tier's own (``transient`` where an
         implementation has one: the host tier's cold updates)."""
-        for source in self.impls:
-            why = getattr(source, "transient", lambda: "")()
-            if why:
-                return why
-        return ""
+        return _first_said(self.impls, "transient")
 
     def finish(self, step: int, grad_norm: float) -> float | None:
         """Apply the step's update everywhere; returns the clip coefficient, None if the step is skipped."""
@@ -335,3 +327,12 @@ class Optimizers:
     def close(self) -> None:
         for impl in self.impls:
             impl.close()
+
+
+def _first_said(sources, hook: str) -> str:
+    """The first non-empty answer of ``source.hook()`` among ``sources`` that have the hook ("" if none)."""
+    for source in sources:
+        why = getattr(source, hook, lambda: "")()
+        if why:
+            return why
+    return ""
