@@ -8,7 +8,8 @@ matches), copies the point folders and appends runs.jsonl. A point folder that a
 last row per point; the older row remains as history). Refuses rows measured on another hardware than the
 committed ones (a run on one machine never overwrites another's results). A timeout row whose point folder
 shows that most of its timed steps finished becomes the partial row the runner writes today
-(``experiments.launch.salvage_partial``): nothing measured is lost.
+(``experiments.launch.salvage_partial``): nothing measured is lost. Only a point's last row is salvaged: its
+folder holds the last run, so an earlier timeout row that a rerun then finished stays a timeout.
 """
 from __future__ import annotations
 
@@ -49,8 +50,11 @@ def merge(src: Path, dst: Path, replace: bool = False) -> int:
         if (dst / p.name).exists():
             shutil.rmtree(dst / p.name)
         shutil.copytree(p, dst / p.name)
-    for row in new:
-        partial = salvage_partial(row, src / row["point"])
+    # a point folder holds the last run of its point: an earlier row of the same point (a timeout that a
+    # rerun in the same folder then finished) is history, never salvaged from the rerun's steps
+    last = {row["point"]: i for i, row in enumerate(new)}
+    for i, row in enumerate(new):
+        partial = salvage_partial(row, src / row["point"]) if last[row["point"]] == i else None
         if partial is not None:
             print(f"{row['point']}: {partial['error']}")
             row = partial

@@ -94,3 +94,16 @@ def test_a_timeout_row_that_finished_most_steps_merges_as_a_partial_row(tmp_path
     assert cut["status"] == "ok" and cut["error"].endswith("(clipped by time_budget_s; a rerun retries it)")
     assert "late: partial: 6 of 8" in capsys.readouterr().out
     assert schema.point_status(dst / "results.csv")["late"] == "partial"  # a rerun retries it
+
+
+def test_a_timeout_row_a_rerun_finished_stays_a_timeout(tmp_path, capsys):
+    """The rerun's steps are in the folder: they belong to its own row, not to the earlier timeout's."""
+    dst = _sweep(tmp_path / "dst", {"a": 1.0})
+    src = tmp_path / "src"
+    _timed_out_point(src, "p", [30.0, 10.0, 9.4, 9.1, 9.3, 9.9, 9.8, 9.3], budget_cut=True)  # folder: 8 steps
+    schema.append_row(src / "results.csv", dict(sweep="s", point="p", system="superoffload", status="ok",
+                                                hardware="H200", tflops=5.0))  # the rerun, same folder
+    assert main([str(src), str(dst)]) == 0
+    rows = [r for r in schema.read_records(dst / "results.csv") if r["point"] == "p"]
+    assert [r["status"] for r in rows] == ["timeout", "ok"] and rows[0]["tflops"] == ""
+    assert "partial" not in capsys.readouterr().out
