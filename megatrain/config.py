@@ -121,9 +121,13 @@ class EngineConfig:
     # The host tier's AdamW (megatrain/streamed_update.py): "cpu" (the CPU kernel updates every host-tier
     # group), "hybrid" (after the norm, some groups' fp32 master, m and v are streamed through the GPU and
     # updated there by the fused kernel while the CPU kernel updates the others; exact, clipping included) or
-    # "auto" (the placement plan predicts the step with each, megatrain/cost_model.py, and takes "hybrid"
-    # where it is CONTESTED_GAIN faster; "cpu" on a CPU run).
-    update_path: str = "cpu"
+    # "auto" (the default since 2026-12-07j: the placement plan predicts the step with each,
+    # megatrain/cost_model.py, and takes "hybrid" where it is CONTESTED_GAIN faster; "cpu" on a CPU run and
+    # with data parallel). Why the default: in every same-run pair measured, the hybrid was faster (1.12-1.78x
+    # on pure streaming, H100 nodes D-H and the H200) or tied (14B tiered on the H200 1.00x, where "auto"
+    # predicts "cpu"; one fast-host H100 0.98x within the ranges), and the runtime split measures the CPU path
+    # alone and keeps it where it is faster (docs/engine.md "Choosing it"; README's update_path table).
+    update_path: str = "auto"
     # With "hybrid": which host-tier groups take the GPU path. "auto": the split of the bandwidth model
     # (megatrain/update_split.py, rates measured at build on a GPU); or a comma list of group names
     # ("embed,layer.0,layer.3") forced onto it in every step (tests, ablations).

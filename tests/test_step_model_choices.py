@@ -172,6 +172,7 @@ def test_config_accepts_update_path_auto_and_rejects_others():
     from megatrain import EngineConfig
 
     assert EngineConfig(update_path="auto").update_path == "auto"
+    assert EngineConfig().update_path == "auto"  # the default since 2026-12-07j (docs/engine.md "Choosing it")
     with pytest.raises(ValueError, match="update_path must be 'cpu', 'hybrid' or 'auto'"):
         EngineConfig(update_path="gpu")
 
@@ -200,3 +201,17 @@ def test_cost_model_gpu_path_backward_casts_kept_masters():
     tight = cost_model.predict(chunks_only)
     assert tight.parts["gpu_path_groups"] > 0  # a GPU path, but no kept master: its loads cross the link
     assert tight.parts["backward_s"] == pytest.approx(cpu.parts["backward_s"])
+
+
+def test_cpu_variants_of_the_sweeps_ask_for_the_cpu_path():
+    """With "auto" the default, a variant named for the CPU path must say update_path: cpu, or on a GPU the
+    plan may give it the GPU update path and the same-run pair compares the hybrid with itself."""
+    from pathlib import Path
+
+    import yaml
+
+    conf = Path(__file__).resolve().parents[1] / "experiments/conf/sweep"
+    variants = lambda stem: yaml.safe_load((conf / f"{stem}.yaml").read_text())["sweep"]["variants"]  # noqa: E731
+    asked = {f"update_path/{n}": o.get("update_path") for n, o in variants("update_path").items() if "_cpu" in n}
+    asked["ablation/cpu_update_path"] = variants("ablation")["cpu_update_path"].get("update_path")
+    assert len(asked) == 9 and set(asked.values()) == {"cpu"}, asked
