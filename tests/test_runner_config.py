@@ -234,7 +234,7 @@ def test_ablation_variants_and_overrides(compose_fn):
     opts = {p.variant: {k: v for k, v in dataclasses.asdict(p.options).items() if k != "optim"} for p in pts}
     assert {p.options.optim == p.optim for p in pts} == {True}
     assert list(opts) == ["full", "no_double_buffer", "no_slab_pool", "ckpt_interval_1", "no_opt_overlap",
-                          "pure_streaming", "full_no_clip", "no_speculation", "grads_on_host"]
+                          "pure_streaming", "full_no_clip", "no_speculation", "grads_on_host", "cpu_update_path"]
     # speculation differs from full only where clipping does not fire: both measured without it
     clip = {p.variant: p.optim.max_grad_norm for p in pts}
     assert clip["full_no_clip"] == clip["no_speculation"] == 0.0 and clip["full"] == 1.0
@@ -245,7 +245,8 @@ def test_ablation_variants_and_overrides(compose_fn):
     assert diff == {"full": {}, "no_double_buffer": {"num_slots": 1}, "no_slab_pool": {"grad_slabs": 0},
                     "ckpt_interval_1": {"checkpoint_interval": 1}, "no_opt_overlap": {"overlap_optimizer": False},
                     "pure_streaming": {"gpu_resident": "0"}, "full_no_clip": {}, "no_speculation": {"speculate": "never"},
-                    "grads_on_host": {"grad_placement": "host"}}
+                    "grads_on_host": {"grad_placement": "host"}, "cpu_update_path": {"update_path": "cpu"}}
+    assert full["update_path"] == "auto"  # the engine's default: the plan adds the GPU update path where faster
     assert {p.model for p in pts} == {"qwen2.5-3b"} and {p.batch_size for p in pts} == {16}
     # the sweep's model default yields to the command line; system options too
     _, pts = expand(compose_fn, "sweep=ablation", "model=qwen2.5-7b", "system=megatrain",
