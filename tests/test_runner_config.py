@@ -510,3 +510,12 @@ def test_engine_sweep_variants_apply_per_system(compose_fn):
 
     with pytest.raises(sweeps.SweepError, match="unknown optimizer field"):
         sweeps.optim_with(OptimConfig(), {"lrr": 1}, "bad")
+
+
+def test_update_path_runs_each_shapes_cpu_path_before_its_hybrids(compose_fn):
+    """A call cut by its time budget loses the last points: within each model the CPU path (the baseline of the
+    same-run ratio) runs first, so a cut takes a hybrid point, not the baseline."""
+    _, pts = expand(compose_fn, "sweep=update_path")
+    for model in {p.model for p in pts}:
+        kinds = ["cpu" if "_cpu" in p.variant else "hybrid" for p in pts if p.model == model]
+        assert "cpu" in kinds and "hybrid" in kinds and kinds == sorted(kinds), (model, kinds)
