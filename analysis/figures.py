@@ -447,9 +447,10 @@ def _streaming_tag(settings) -> str:
     return " · pure streaming" if str(resident) == "0" else " · tiered"
 
 
-def fig_ablation(df, out, formats):
+def fig_ablation(df, out, formats, name: str = "ablation"):
     """One panel: the variants as bars, "full" first, each other bar with its difference to full.
-    Several setups (model × shape × hardware) become groups of bars side by side."""
+    Several setups (model × shape × hardware) become groups of bars side by side. ``name``: the sweep folder
+    (another machine's ablation rows, ``ablation_<suffix>``, get a figure of their own)."""
     df = df.copy()
     df["_setup"] = (df["model"].astype(str) + " " + df["batch_size"].map(lambda v: f"{int(v)}" if pd.notna(v) else "?")
                     + "×" + df["seq_len"].map(lambda v: f"{int(v)}" if pd.notna(v) else "?") + " " + df["hardware"]
@@ -507,9 +508,10 @@ def fig_ablation(df, out, formats):
     ax.set_xlabel("MegaTrain variant (one optimisation switched off); % = difference to full")
     if len(setups) > 1 or paper:
         _legend(ax, ncol=min(4, len(setups) + bool(paper)))
-    if len(setups) == 1:
-        ax.set_title(setups[0], fontsize=9.5)
-    return _finish(fig, df, "Ablation: MegaTrain optimisations", FORMULA_NOTE, out, "ablation", formats)
+    title = "Ablation: MegaTrain optimisations" + ("" if name == "ablation" else f" ({name})")
+    if len(setups) == 1:  # the one setup in the title: a panel title would sit under the legend
+        title += f"\n{setups[0]}"
+    return _finish(fig, df, title, FORMULA_NOTE, out, name, formats)
 
 
 def fig_generic(df, out, formats, name: str):
@@ -532,7 +534,10 @@ def fig_generic(df, out, formats, name: str):
             x = i - 0.4 + width * (j + 0.5)
             if r["status"] == "ok" and pd.notna(r[metric]):
                 # the legend names a system at its first bar, whichever setup that is
-                ax.bar(x, float(r[metric]), width=width * 0.9, color=color, zorder=3, label=label)
+                val = float(r[metric])
+                ax.bar(x, val, width=width * 0.9, color=color, zorder=3, label=label)
+                ax.annotate(f"{val:,.1f}" if val < 1000 else f"{val:,.0f}", (x, val), xytext=(0, 3),
+                            textcoords="offset points", ha="center", fontsize=8, zorder=7)
                 label = None
             else:
                 _bar_fail(ax, x, top, r, color)
@@ -565,6 +570,8 @@ def figures_for(sweep: str) -> list:
     """[(figure name, function(df, out, formats))] of a sweep: its own, or the generic one."""
     if sweep in FIGURES:
         return FIGURES[sweep]
+    if sweep.startswith("ablation_"):  # another machine's ablation rows: drawn like ablation's, under their name
+        return [(sweep, lambda df, out, formats, _n=sweep: fig_ablation(df, out, formats, _n))]
     if sweep.startswith("accuracy_sft_"):  # another machine's SFT rows: drawn like accuracy_sft's, by sft_report
         return FIGURES["accuracy_sft"]
     if same_run.is_sweep(sweep) or sweep == "activations" or sweep.startswith("activations_"):

@@ -436,3 +436,23 @@ def test_a_system_that_is_not_exact_adamw_is_marked_and_compared_by_its_mean_ste
     assert "§" not in mline
     assert any("§ = not exact AdamW" in l for l in lines)
     assert not any("§ = not exact AdamW" in l for l in report._sweep_table("baselines", rows[rows["system"] != "zenflow"]))
+
+
+def test_another_machines_ablation_folder_gets_the_ablation_figure_under_its_own_name(tmp_path):
+    """results/ablation_<suffix>/ (rows of another machine) is drawn as the ablation is (full first, differences
+    to full), into a file of its own: the main ablation figure is not overwritten."""
+    from analysis import figures
+
+    (name, fn), = figures.figures_for("ablation_h100_x")
+    assert name == "ablation_h100_x"
+    df = schema.read_results(SAMPLE / "ablation" / "results.csv")
+    import matplotlib.axes
+
+    texts, orig = [], matplotlib.axes.Axes.annotate
+    matplotlib.axes.Axes.annotate = lambda self, text, *a, **k: (texts.append(text), orig(self, text, *a, **k))[1]
+    try:
+        fn(df, tmp_path, ("png",))
+    finally:
+        matplotlib.axes.Axes.annotate = orig
+    assert (tmp_path / "ablation_h100_x.png").is_file() and not (tmp_path / "ablation.png").exists()
+    assert any(t.endswith("%") and "\n" in t for t in texts)  # the other variants' differences to full
