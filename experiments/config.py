@@ -164,7 +164,9 @@ class RunConfig:
     timeout_s: float = 1800.0  # per point (the training process; init weights have their own)
     init_timeout_s: float = 3600.0  # writing a model's initial weights into the cache
     # Stop starting points once this many seconds have passed (a point's timeout is clipped to what is
-    # left); a rerun continues with the rest. For wrappers that kill long commands. None = no budget.
+    # left; a point is not started when less is left than a finished point of its shape took in this run:
+    # experiments/budget.py); a rerun continues with the rest. For wrappers that kill long commands. None =
+    # no budget.
     time_budget_s: Optional[float] = None
     redo: bool = False  # re-run points already recorded as ok/skipped (failed ones are always re-run)
     # Where rows, per-point folders, figures and REPORT.md go. None: runs/<machine>/ (per machine, git-

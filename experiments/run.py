@@ -30,6 +30,7 @@ from baselines.registry import record
 
 from . import config as C  # registers the schemas in hydra's ConfigStore
 from . import schema
+from .budget import Budget
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -204,6 +205,7 @@ def run(cfg) -> dict:
     with open(out / "runs.jsonl", "a") as f:  # one line per invocation: environment and config
         f.write(json.dumps({"env": env, "config": run_cfg}, default=str) + "\n")
 
+    budget = Budget(cfg.time_budget_s, start=t_start)
     counts = {"points": len(jobs), "launched": 0, "done": 0, "skipped": 0, "not_started": 0, "ok": 0,
               "done_ok": 0}
     statuses: dict[str, int] = {}
@@ -227,13 +229,16 @@ def run(cfg) -> dict:
             counts["skipped"] += 1
         else:
             timeout, init_timeout = cfg.timeout_s, cfg.init_timeout_s
-            if cfg.time_budget_s is not None:
-                left = cfg.time_budget_s - (time.time() - t_start)
-                if left <= 0:
-                    counts["not_started"] = len(jobs) - i + 1
-                    bar.write(f"{tag} [budget]  time_budget_s={cfg.time_budget_s:g} reached: "
-                              f"{counts['not_started']} point(s) not started; rerun to continue")
-                    break
+            why, left = budget.why_not_start(job), budget.left()
+            if why and left <= 0:  # spent: nothing more starts
+                counts["not_started"] += len(jobs) - i + 1
+                bar.write(f"{tag} [budget]  {why}: {len(jobs) - i + 1} point(s) not started; rerun to continue")
+                break
+            if why:  # too little left for this shape: a smaller one further on may still fit
+                counts["not_started"] += 1
+                bar.write(f"{tag} [budget]  {job.id} not started: {why}; rerun to continue")
+                continue
+            if left is not None:
                 timeout, init_timeout = min(timeout, left), min(init_timeout, left)
             bar.write(f"{tag} [run]     {job.id}")
             result = L.launch(job, timeout=timeout, init_timeout=init_timeout, log=lambda m: bar.write(m))
@@ -245,6 +250,7 @@ def run(cfg) -> dict:
             counts["launched"] += 1
         row = schema.make_row(row=L.to_row(job, result, env))
         schema.append_row(csv_path, row)
+        budget.record(job, row)  # its shape's wall time: what a later point of that shape needs of the budget
         statuses[row["status"]] = statuses.get(row["status"], 0) + 1
         counts["ok"] += row["status"] == "ok"
         if row["status"] in ("timeout", "error") and row["reason"] != "budget_cut":  # not a memory verdict
